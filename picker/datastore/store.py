@@ -1,0 +1,100 @@
+"""The datastore: the pool's endpoints, their latest metrics and the picker's own in-flight load.
+
+Discovery replaces the endpoint set, the data layer replaces metrics, the director counts
+in-flight requests. Everything runs on one event loop, so plain dicts suffice; the request
+path only reads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+
+EndpointListener = Callable[[dict[str, Endpoint], dict[str, Endpoint]], None]
+
+_NO_METRICS = EndpointMetrics()
+
+
+class Datastore:
+    """Endpoints keyed by `ip:port`, with metrics and in-flight counters."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[str, Endpoint] = {}
+        self._metrics: dict[str, EndpointMetrics] = {}
+        self._in_flight_requests: dict[str, int] = {}
+        self._in_flight_tokens: dict[str, int] = {}
+        self._listeners: list[EndpointListener] = []
+        self.synced = False  # True once discovery has delivered a full endpoint list
+
+    # -- endpoints (written by discovery) --------------------------------------------------
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Replace the endpoint set; endpoints that left lose their metrics and load."""
+        new = {e.address: e for e in endpoints}
+        old = self._endpoints
+        self._endpoints = new
+        for address in old.keys() - new.keys():
+            self._metrics.pop(address, None)
+            self._in_flight_requests.pop(address, None)
+            self._in_flight_tokens.pop(address, None)
+        self.synced = True
+        if new != old or any(new[a].labels != old[a].labels for a in new.keys() & old.keys()):
+            for listener in list(self._listeners):
+                listener(old, new)
+
+    def add_listener(self, listener: EndpointListener) -> None:
+        """Call `listener(old, new)` whenever the endpoint set changes."""
+        self._listeners.append(listener)
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        return self._endpoints
+
+    def get(self, address: str) -> Endpoint | None:
+        return self._endpoints.get(address)
+
+    # -- metrics (written by the data layer) -----------------------------------------------
+
+    def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
+        if address in self._endpoints:
+            self._metrics[address] = metrics
+
+    def metrics(self, address: str) -> EndpointMetrics:
+        return self._metrics.get(address, _NO_METRICS)
+
+    # -- in-flight load (written by the director) ------------------------------------------
+
+    def acquire(self, address: str, tokens: int) -> None:
+        self._in_flight_requests[address] = self._in_flight_requests.get(address, 0) + 1
+        self._in_flight_tokens[address] = self._in_flight_tokens.get(address, 0) + tokens
+
+    def release(self, address: str, tokens: int) -> None:
+        if address not in self._in_flight_requests:
+            return  # the endpoint left the pool while the request ran
+        self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
+        self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
+
+    def in_flight(self, address: str) -> int:
+        return self._in_flight_requests.get(address, 0)
+
+    # -- snapshots (read by the request path) ----------------------------------------------
+
+    def snapshot(self, addresses: Iterable[str] | None = None) -> list[EndpointState]:
+        """The state of every endpoint, or of those of `addresses` that are in the pool."""
+        endpoints = self._endpoints
+        if addresses is None:
+            selected = endpoints.values()
+        else:
+            selected = [endpoints[a] for a in addresses if a in endpoints]
+        metrics = self._metrics
+        requests = self._in_flight_requests
+        tokens = self._in_flight_tokens
+        return [
+            EndpointState(
+                e,
+                metrics.get(e.address, _NO_METRICS),
+                requests.get(e.address, 0),
+                tokens.get(e.address, 0),
+            )
+            for e in selected
+        ]

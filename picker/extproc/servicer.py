@@ -1,0 +1,244 @@
+"""The ext_proc servicer: one bidirectional stream per HTTP request, answered in order.
+
+Request path: keep the headers; accumulate the body to end_of_stream; parse; pick; answer
+with the destination header + `envoy.lb` metadata (in the headers response for duplex and
+streamed modes, in the body response for BUFFERED), then re-emit the body in duplex mode.
+Response path: pass everything through, note TTFT, usage and the served endpoint, and
+release the request's in-flight slot when the stream ends for any reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from picker.director import Director, RoutedRequest
+from picker.extproc import messages
+from picker.extproc.messages import BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
+from picker.request.errors import RequestError
+from picker.request.openai import parse_request, rewrite_model
+from picker.request.usage import SseUsageScanner, parse_usage
+from picker.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+# A non-streaming response body is kept (for its usage) only up to this size.
+MAX_RESPONSE_BUFFER = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcSettings:
+    """Per-server knobs of the ext_proc protocol handling."""
+
+    max_body_bytes: int = 16 << 20
+    tenant_header: str | None = None
+    honour_subset_hint: bool = True
+
+
+class _Stream:
+    """The state of one ext_proc stream (one HTTP request)."""
+
+    __slots__ = (
+        "director", "settings", "request_mode", "response_mode", "send_body_early", "headers",
+        "subset", "body", "body_size", "chunks", "routed", "streaming", "sse", "response_buffer", "response_over_cap",
+    )
+
+    def __init__(self, director: Director, settings: ExtProcSettings) -> None:
+        self.director = director
+        self.settings = settings
+        self.request_mode = BUFFERED
+        self.response_mode = 0
+        self.send_body_early = False
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.chunks = 0
+        self.routed: RoutedRequest | None = None
+        self.streaming = False
+        self.sse: SseUsageScanner | None = None
+        self.response_buffer: list[bytes] | None = None
+        self.response_over_cap = False
+
+    # -- request path -----------------------------------------------------------------------
+
+    def on_request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            config = req.protocol_config
+            self.request_mode = config.request_body_mode or BUFFERED
+            self.response_mode = config.response_body_mode
+            self.send_body_early = config.send_body_without_waiting_for_header_response
+        self.headers = messages.header_map(req.request_headers.headers)
+        if "x-request-id" not in self.headers:
+            self.headers["x-request-id"] = str(uuid.uuid4())
+        if self.settings.honour_subset_hint:
+            self.subset = messages.subset_hint(req)
+        if req.request_headers.end_of_stream:
+            self.routed = self.director.route(None, self.subset)
+            return [messages.route_in_headers(self.routed.destination, None, self._removed_headers())]
+        if self.request_mode == FULL_DUPLEX_STREAMED or (self.request_mode == STREAMED and self.send_body_early):
+            return []  # answered once the whole body has been seen
+        return [messages.continue_request_headers()]
+
+    def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        chunk = req.request_body.body
+        self.chunks += 1
+        self.body_size += len(chunk)
+        if self.body_size > self.settings.max_body_bytes:
+            raise RequestError(
+                "PayloadTooLarge", f"request body exceeds the limit of {self.settings.max_body_bytes} bytes"
+            )
+        if chunk:
+            self.body.append(chunk)
+        if not req.request_body.end_of_stream:
+            if self.request_mode == STREAMED and not self.send_body_early:
+                # Headers already went upstream; the pick must come from what arrived so far.
+                return [messages.continue_request_body()]
+            return []
+        return self._route_body(trailers_follow=False)
+
+    def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        if self.routed is None:  # trailers end the body in duplex mode
+            return self._route_body(trailers_follow=True) + [messages.continue_request_trailers()]
+        return [messages.continue_request_trailers()]
+
+    def _route_body(self, trailers_follow: bool) -> list[pb.ProcessingResponse]:
+        body = b"".join(self.body)
+        self.body = []
+        request = parse_request(
+            body, self.headers, self.headers["x-request-id"], tenant_header=self.settings.tenant_header
+        )
+        new_body = None
+        if request.target_model != request.model:
+            new_body = rewrite_model(request.body, request.target_model)
+        self.routed = self.director.route(request, self.subset)
+        self.streaming = request.stream
+        destination = self.routed.destination
+        removed = self._removed_headers()
+        if self.request_mode == BUFFERED:
+            return [messages.route_in_body(destination, removed, new_body)]
+        out_body = body if new_body is None else new_body
+        responses = [messages.route_in_headers(destination, len(out_body), removed)]
+        if self.request_mode == FULL_DUPLEX_STREAMED:
+            responses.extend(messages.streamed_request_body(out_body, end_of_stream=not trailers_follow))
+        else:  # STREAMED, body sent early: each chunk Envoy sent gets its (empty) answer
+            responses.extend(messages.continue_request_body() for _ in range(self.chunks))
+        return responses
+
+    def _removed_headers(self) -> list[str]:
+        return [h for h in self.headers if h in messages.SYSTEM_OWNED_HEADERS and h != "content-length"]
+
+    # -- response path ----------------------------------------------------------------------
+
+    def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        headers = messages.header_map(req.response_headers.headers)
+        routed = self.routed
+        if routed is not None:
+            routed.status = int(headers.get(":status", "0") or 0)
+            routed.served = messages.served_endpoint(req) or headers.get(messages.SERVED_KEY) or routed.served
+            if "text/event-stream" in headers.get("content-type", ""):
+                self.sse = SseUsageScanner()
+            else:
+                self.response_buffer = []
+            if req.response_headers.end_of_stream:
+                routed.finish()
+        return [messages.continue_response_headers()]
+
+    def on_response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        chunk = req.response_body.body
+        end = req.response_body.end_of_stream
+        routed = self.routed
+        if routed is not None:
+            routed.response_body(len(chunk))
+            if routed.served is None:
+                routed.served = messages.served_endpoint(req)
+            if self.sse is not None:
+                self.sse.feed(chunk)
+                if end:
+                    routed.usage = self.sse.usage
+            elif self.response_buffer is not None and not self.response_over_cap:
+                if routed.response_bytes > MAX_RESPONSE_BUFFER:
+                    self.response_over_cap = True
+                    self.response_buffer = None
+                else:
+                    self.response_buffer.append(chunk)
+                    if end:
+                        routed.usage = parse_usage(b"".join(self.response_buffer))
+            if end:
+                routed.finish()
+        if self.response_mode == FULL_DUPLEX_STREAMED:
+            return [messages.streamed_response_body(chunk, end)]
+        return [messages.continue_response_body()]
+
+    def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        if self.routed is not None:
+            if self.sse is not None:
+                self.routed.usage = self.sse.usage
+            self.routed.finish()
+        return [messages.continue_response_trailers()]
+
+    def dispatch(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one message from Envoy, in order (possibly none yet)."""
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return self.on_request_headers(req)
+        if kind == "request_body":
+            return self.on_request_body(req)
+        if kind == "request_trailers":
+            return self.on_request_trailers()
+        if kind == "response_headers":
+            return self.on_response_headers(req)
+        if kind == "response_body":
+            return self.on_response_body(req)
+        if kind == "response_trailers":
+            return self.on_response_trailers()
+        return []
+
+    def close(self, error: str | None) -> None:
+        """The stream ended: a request still in flight is released now."""
+        if self.routed is not None:
+            self.routed.finish(error)
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """`envoy.service.ext_proc.v3.ExternalProcessor`: answers each message in protocol order."""
+
+    def __init__(self, director: Director, settings: ExtProcSettings = ExtProcSettings()) -> None:
+        self.director = director
+        self.settings = settings
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = _Stream(self.director, self.settings)
+        metrics.STREAMS_ACTIVE.inc()
+        error: str | None = "cancelled"
+        try:
+            async for req in request_iterator:
+                try:
+                    responses = stream.dispatch(req)
+                except RequestError as e:
+                    # The answer ends the HTTP exchange; Envoy closes this stream after it.
+                    error = e.code
+                    metrics.STREAM_ERRORS.labels(e.code).inc()
+                    yield messages.immediate(e.status, e.body())
+                    return
+                except Exception:
+                    # A bug must cost one request, never the stream's peers or the process.
+                    log.exception("ext_proc stream failed")
+                    error = "Internal"
+                    metrics.STREAM_ERRORS.labels(error).inc()
+                    yield messages.immediate(500, RequestError("Internal", "internal error in the endpoint picker").body())
+                    return
+                for response in responses:
+                    yield response
+            error = None
+        finally:
+            stream.close(error)
+            metrics.STREAMS_ACTIVE.dec()

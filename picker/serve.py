@@ -1,0 +1,202 @@
+"""`picker serve`: the ext_proc endpoint picker, with the reference EPP's flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from picker.datastore.store import Datastore
+from picker.director import Director
+from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
+from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
+from picker.extproc.tls import server_credentials
+from picker.telemetry.health import HealthServicer
+from picker.telemetry.http import metrics_app, start_metrics_server
+
+log = logging.getLogger("picker")
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """A Go duration (`50ms`, `2s`, `1m30s`) in seconds."""
+    text = text.strip()
+    pos, total = 0, 0.0
+    for match in _DURATION.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(text) or not text:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (e.g. 50ms, 2s)")
+    return total
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "t", "true", "yes"):
+        return True
+    if value in ("0", "f", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
+
+
+def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help_: str) -> None:
+    # Go-style: `--flag`, `--flag=true`, `--flag=false` (the reference chart's syntax).
+    parser.add_argument(name, type=parse_bool, nargs="?", const=True, default=default, help=help_)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="picker serve", description="Run the ext_proc endpoint picker.")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--grpc-health-port", type=int, default=9003, help="gRPC health port (default 9003)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
+    p.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to")
+    src = p.add_argument_group("endpoints")
+    src.add_argument("--endpoints", help="static endpoints: ip:port,ip:port,...")
+    src.add_argument("--endpoints-file", help="YAML list of endpoints, re-read when it changes")
+    src.add_argument("--pool-name", help="InferencePool to watch")
+    src.add_argument("--pool-namespace", default=None, help="its namespace (default: $NAMESPACE, else default)")
+    src.add_argument("--pool-group", default="inference.networking.k8s.io", help="InferencePool API group")
+    src.add_argument("--endpoint-selector", help="standalone mode: pod label selector k=v,k2=v2")
+    src.add_argument("--endpoint-target-ports", help="standalone mode: target ports, CSV")
+    src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    src.add_argument("--config-map", help="ConfigMap holding the EndpointPickerConfig, watched for changes")
+    cfg = p.add_argument_group("scheduling")
+    cfg.add_argument("--config-file", help="EndpointPickerConfig file (hot-reloaded)")
+    cfg.add_argument("--config-text", help="EndpointPickerConfig as inline YAML")
+    cfg.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
+    cfg.add_argument("--refresh-prometheus-metrics-interval", type=parse_duration, default=5.0)
+    cfg.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
+    cfg.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body cap (413 above)")
+    cfg.add_argument("--tenant-header", help="request header naming the tenant that scopes prefix state")
+    _bool_flag(cfg, "--disable-endpoint-subset-filter", False, "ignore the proxy's subset hint")
+    sec = p.add_argument_group("security")
+    _bool_flag(sec, "--secure-serving", True, "TLS on the ext_proc port (default true)")
+    sec.add_argument("--cert-path", help="directory with tls.crt and tls.key (reloaded when they change)")
+    _bool_flag(sec, "--enable-cert-reload", False, "accepted for compatibility; --cert-path always reloads")
+    obs = p.add_argument_group("observability")
+    _bool_flag(obs, "--enable-debug-decisions", False, "serve GET /debug/decisions on the metrics port")
+    obs.add_argument("--v", type=int, default=2, help="log verbosity: 2 default, 3 verbose, 4 debug")
+    # Accepted so the reference chart's arguments work unchanged; the picker has no use for them.
+    compat = p.add_argument_group("reference compatibility (accepted, no effect)")
+    compat.add_argument("--zap-encoder", help=argparse.SUPPRESS)
+    compat.add_argument("--zap-log-level", help=argparse.SUPPRESS)
+    for name in ("--tracing", "--ha-enable-leader-election", "--metrics-endpoint-auth", "--enable-pprof",
+                 "--health-checking", "--model-server-metrics-https-insecure-skip-verify"):
+        _bool_flag(compat, name, False, argparse.SUPPRESS)
+    for name in ("--model-server-metrics-scheme", "--model-server-metrics-path", "--model-server-metrics-port"):
+        compat.add_argument(name, help=argparse.SUPPRESS)
+    return p
+
+
+def _configure_logging(verbosity: int, encoder: str | None) -> None:
+    level = logging.DEBUG if verbosity >= 4 else logging.INFO if verbosity >= 2 else logging.WARNING
+    if encoder == "json":
+        fmt = '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+    else:
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+
+
+class PickerServer:
+    """Everything `picker serve` runs, started and stopped together."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.datastore = Datastore()
+        self.director = Director(self.datastore)
+        self.endpoint_file: EndpointFile | None = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.metrics_runner = None
+
+    def _load_endpoints(self) -> None:
+        args = self.args
+        if args.endpoints:
+            self.datastore.set_endpoints(parse_endpoint_flag(args.endpoints))
+        elif args.endpoints_file:
+            self.endpoint_file = EndpointFile(self.datastore, args.endpoints_file)
+            self.endpoint_file.load()
+        else:
+            raise EndpointListError("one of --endpoints, --endpoints-file, --pool-name or --endpoint-selector is required")
+
+    async def start(self) -> None:
+        args = self.args
+        self._load_endpoints()
+        if self.endpoint_file is not None:
+            self.endpoint_file.start()
+        bind = args.bind_address
+        settings = ExtProcSettings(
+            max_body_bytes=args.max_body_bytes,
+            tenant_header=args.tenant_header.lower() if args.tenant_header else None,
+            honour_subset_hint=not args.disable_endpoint_subset_filter,
+        )
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+        self.grpc_server = grpc.aio.server(options=options)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director, settings), self.grpc_server)
+        address = f"{bind}:{args.grpc_port}"
+        if args.secure_serving:
+            self.grpc_server.add_secure_port(address, server_credentials(args.cert_path))
+        else:
+            self.grpc_server.add_insecure_port(address)
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(
+            HealthServicer(lambda: self.datastore.synced), self.health_server
+        )
+        self.health_server.add_insecure_port(f"{bind}:{args.grpc_health_port}")
+        self.metrics_runner = await start_metrics_server(metrics_app(), bind, args.metrics_port)
+        await self.grpc_server.start()
+        await self.health_server.start()
+        log.info(
+            "picker serving ext_proc on %s (%s), health on %s, metrics on %s; %d endpoints",
+            address, "TLS" if args.secure_serving else "plaintext", args.grpc_health_port,
+            args.metrics_port, len(self.datastore.endpoints()),
+        )
+
+    async def stop(self) -> None:
+        if self.endpoint_file is not None:
+            await self.endpoint_file.stop()
+        for server in (self.grpc_server, self.health_server):
+            if server is not None:
+                await server.stop(grace=2)
+        if self.metrics_runner is not None:
+            await self.metrics_runner.cleanup()
+
+
+async def run(args: argparse.Namespace) -> int:
+    server = PickerServer(args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+    except (EndpointListError, OSError) as e:
+        log.error("cannot start: %s", e)
+        await server.stop()
+        return 1
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.v, args.zap_encoder)
+    if args.pool_namespace is None:
+        args.pool_namespace = os.environ.get("NAMESPACE", "default")
+    import uvloop
+
+    return uvloop.run(run(args))

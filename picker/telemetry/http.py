@@ -1,0 +1,32 @@
+"""The metrics port: Prometheus `/metrics`, and `/debug/decisions` when enabled."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+
+def metrics_app(decisions: Callable[[], list[dict]] | None = None) -> web.Application:
+    """An aiohttp app serving metrics; `decisions` (if given) backs GET /debug/decisions."""
+
+    async def serve_metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve_metrics)
+    if decisions is not None:
+
+        async def serve_decisions(_: web.Request) -> web.Response:
+            return web.json_response({"decisions": decisions()})
+
+        app.router.add_get("/debug/decisions", serve_decisions)
+    return app
+
+
+async def start_metrics_server(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,157 @@
+"""Every Prometheus metric the picker exports, in one place.
+
+Names follow the reference EPP where one exists (so its dashboards keep working); the
+picker's own additions are prefixed `picker_`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_M = ("model_name", "target_model_name")
+_DURATION_BUCKETS = (
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
+    30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
+)
+_TOKEN_BUCKETS = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
+    262144, 524288, 1048576,
+)
+_SIZE_BUCKETS = tuple(64 * 4**i for i in range(13))  # 64 B .. 1 GiB
+_SCHED_BUCKETS = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+)
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+
+# -- per request (reference names) -----------------------------------------------------------
+REQUEST_TOTAL = Counter(
+    "inference_objective_request", "Requests routed, by model and priority.", _M + ("priority",)
+)
+REQUEST_ERROR_TOTAL = Counter(
+    "inference_objective_request_error", "Requests that failed, by error code.", _M + ("error_code",)
+)
+REQUEST_DURATION = Histogram(
+    "inference_objective_request_duration_seconds",
+    "Time from the picker's decision to the end of the response.",
+    _M,
+    buckets=_DURATION_BUCKETS,
+)
+REQUEST_SIZES = Histogram(
+    "inference_objective_request_sizes", "Request body sizes in bytes.", _M, buckets=_SIZE_BUCKETS
+)
+RESPONSE_SIZES = Histogram(
+    "inference_objective_response_sizes", "Response body sizes in bytes.", _M, buckets=_SIZE_BUCKETS
+)
+INPUT_TOKENS = Histogram(
+    "inference_objective_input_tokens", "Prompt tokens from response usage.", _M, buckets=_TOKEN_BUCKETS
+)
+OUTPUT_TOKENS = Histogram(
+    "inference_objective_output_tokens", "Completion tokens from response usage.", _M, buckets=_TOKEN_BUCKETS
+)
+CACHED_TOKENS = Histogram(
+    "inference_objective_prompt_cached_tokens",
+    "Prompt tokens served from the engine's prefix cache (usage.prompt_tokens_details.cached_tokens).",
+    _M,
+    buckets=_TOKEN_BUCKETS,
+)
+RUNNING_REQUESTS = Gauge(
+    "inference_objective_running_requests", "Requests in flight, by model.", ("model_name",)
+)
+TTFT = Histogram(
+    "inference_objective_request_ttft_seconds",
+    "Time from the picker's decision to the first response body byte.",
+    _M,
+    buckets=_TTFT_BUCKETS,
+)
+
+# -- pool (reference names) -------------------------------------------------------------------
+POOL_KV_CACHE = Gauge(
+    "inference_pool_average_kv_cache_utilization", "Mean KV-cache utilisation of fresh endpoints.", ("name",)
+)
+POOL_QUEUE = Gauge("inference_pool_average_queue_size", "Mean waiting queue of fresh endpoints.", ("name",))
+POOL_RUNNING = Gauge(
+    "inference_pool_average_running_requests", "Mean running requests of fresh endpoints.", ("name",)
+)
+POOL_READY_PODS = Gauge("inference_pool_ready_pods", "Endpoints with fresh metrics.", ("name",))
+POOL_PER_POD_QUEUE = Gauge(
+    "inference_pool_per_pod_queue_size", "Waiting queue per endpoint.", ("name", "model_server_pod")
+)
+
+# -- scheduler (reference names) --------------------------------------------------------------
+SCHEDULER_E2E = Histogram(
+    "inference_extension_scheduler_e2e_duration_seconds",
+    "Time spent scheduling one request.",
+    buckets=_SCHED_BUCKETS,
+)
+SCHEDULER_ATTEMPTS = Counter(
+    "inference_extension_scheduler_attempts", "Scheduling attempts by outcome.", ("status", "target_model_name")
+)
+PLUGIN_DURATION = Histogram(
+    "inference_extension_plugin_duration_seconds",
+    "Time spent in each plugin.",
+    ("extension_point", "plugin_type", "plugin_name"),
+    buckets=_SCHED_BUCKETS,
+)
+INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build_ref"))
+
+# -- picker's own -----------------------------------------------------------------------------
+ROUTED_TOTAL = Counter("picker_requests_routed", "Requests sent to each endpoint.", ("endpoint",))
+IN_FLIGHT = Gauge("picker_in_flight_requests", "Requests in flight per endpoint, as the picker counts them.", ("endpoint",))
+STREAMS_ACTIVE = Gauge("picker_extproc_streams_active", "Open ext_proc streams.")
+STREAM_ERRORS = Counter("picker_extproc_stream_errors", "ext_proc streams that ended in an error.", ("reason",))
+
+# -- config (picker/config) -------------------------------------------------------------------
+CONFIG_RELOADS = Counter(
+    "picker_config_reloads", "EndpointPickerConfig reloads from a watched file, by result.", ("result",)
+)
+CONFIG_LAST_RELOAD = Gauge(
+    "picker_config_last_reload_success_timestamp_seconds", "Unix time of the last successful config load."
+)
+
+# -- data layer: scraping model-server /metrics (picker/datalayer) ---------------------------
+SCRAPE_ERRORS = Counter(
+    "picker_scrape_errors",
+    "Failed scrapes of model-server /metrics pages, by endpoint and reason.",
+    ("endpoint", "reason"),
+)
+SCRAPE_DURATION = Histogram(
+    "picker_scrape_duration_seconds",
+    "Time to fetch and parse one successful scrape of an endpoint's /metrics page.",
+    ("endpoint",),
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+METRICS_AGE = Gauge(
+    "picker_metrics_age_seconds",
+    "Seconds since an endpoint's metrics were last scraped successfully (+Inf if never).",
+    ("endpoint",),
+)
+
+# -- KV-cache events and the precise prefix index (picker/kvevents) ----------------------------
+KV_EVENTS = Counter(
+    "picker_kv_events", "KV-cache events applied to the precise index, by endpoint and type.", ("endpoint", "type")
+)
+KV_EVENT_GAPS = Counter(
+    "picker_kv_event_gaps", "Sequence gaps (lost KV-event messages) detected, by endpoint.", ("endpoint",)
+)
+KV_EVENT_REPLAYS = Counter(
+    "picker_kv_event_replays",
+    "Replay requests to a publisher's ROUTER socket, by outcome (complete, incomplete, failed).",
+    ("endpoint", "outcome"),
+)
+KV_EVENT_DECODE_ERRORS = Counter(
+    "picker_kv_event_decode_errors", "KV-event messages that could not be decoded, by endpoint.", ("endpoint",)
+)
+KV_EVENT_PUBLISHER_RESTARTS = Counter(
+    "picker_kv_event_publisher_restarts", "Publisher restarts seen (sequence went back), by endpoint.", ("endpoint",)
+)
+KV_BLOCKS_EVICTED = Counter(
+    "picker_kv_blocks_evicted", "KV blocks an engine reported evicted (BlockRemoved), by endpoint.", ("endpoint",)
+)
+KV_STATE_KNOWN = Gauge(
+    "picker_kv_events_state_known",
+    "1 while the precise index has every KV event of the endpoint, 0 after unrecovered loss.",
+    ("endpoint",),
+)

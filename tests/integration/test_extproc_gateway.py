@@ -1,0 +1,121 @@
+"""Gateway-level behaviour: shipped configs validate, subset hints, no endpoints, picker restarts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from picker.bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
+from picker.bench.process import free_port, wait_until
+from tests.stack import loopback_addresses, start_picker
+
+
+def post(url: str, body: dict, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        return e.code, json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode()}
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in MANIFESTS.glob("*.yaml")))
+def test_shipped_envoy_configs_validate(config: str) -> None:
+    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(MANIFESTS / config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def subset_hint_config(picker_port: int) -> dict:
+    """The duplex gateway plus a test-only filter that copies a request header into the
+    `envoy.lb.subset_hint` metadata that a gateway would set, forwarded to the picker."""
+    config = picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", picker_port),
+                           ("127.0.0.1", free_port()))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(0, {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{
+                "header": "x-test-subset",
+                "on_header_present": {"metadata_namespace": "envoy.lb.subset_hint",
+                                      "key": "x-gateway-destination-endpoint-subset", "type": "STRING"},
+                "remove": True,
+            }],
+        },
+    })
+    ext_proc = hcm["http_filters"][1]["typed_config"]
+    ext_proc["metadata_options"]["forwarding_namespaces"] = {"untyped": ["envoy.lb.subset_hint"]}
+    return config
+
+
+def test_subset_hint_is_honoured_and_an_empty_match_is_503(backends, log_dir: Path) -> None:
+    addresses, _ = backends
+    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name="picker-subset")
+    envoy = EnvoyProcess("envoy-subset", subset_hint_config(picker.grpc_port), log_dir).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        url = envoy.url + "/v1/completions"
+        for target in addresses[1:]:
+            for _ in range(4):
+                status, answer = post(url, {"model": "m", "prompt": "p"}, {"x-test-subset": target})
+                assert status == 200 and answer["backend"] == target
+        status, answer = post(url, {"model": "m", "prompt": "p"}, {"x-test-subset": "127.0.0.1:1"})
+        assert status == 503 and answer["error"]["code"] == "ServiceUnavailable"
+    finally:
+        envoy.stop()
+        picker.stop()
+
+
+def test_no_endpoints_gives_503_until_the_file_lists_one(backends, log_dir: Path, tmp_path: Path) -> None:
+    addresses, _ = backends
+    endpoints = tmp_path / "endpoints.yaml"
+    endpoints.write_text("[]\n")
+    picker = start_picker(log_dir, "--endpoints-file", str(endpoints), name="picker-file")
+    envoy = EnvoyProcess("envoy-file", picker_config("duplex", ("127.0.0.1", free_port()),
+                                                     ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())),
+                         log_dir).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        url = envoy.url + "/v1/completions"
+        status, answer = post(url, {"model": "m", "prompt": "p"})
+        assert status == 503 and answer["error"]["code"] == "ServiceUnavailable"
+        endpoints.write_text(f"- address: {addresses[0]}\n  name: only\n")
+        wait_until(lambda: post(url, {"model": "m", "prompt": "p"})[0] == 200, 10, "the file change to apply")
+        assert post(url, {"model": "m", "prompt": "p"})[1]["backend"] == addresses[0]
+        endpoints.write_text("- address: not-an-address\n")  # a bad edit keeps the old list
+        status, answer = post(url, {"model": "m", "prompt": "p"})
+        assert status == 200 and answer["backend"] == addresses[0]
+    finally:
+        envoy.stop()
+        picker.stop()
+
+
+def test_routing_resumes_after_the_picker_restarts(backends, log_dir: Path) -> None:
+    addresses, _ = backends
+    port = free_port()
+    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name="picker-r1", grpc_port=port)
+    envoy = EnvoyProcess("envoy-restart", picker_config("duplex", ("127.0.0.1", free_port()),
+                                                        ("127.0.0.1", port), ("127.0.0.1", free_port())),
+                         log_dir).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        url = envoy.url + "/v1/completions"
+        assert post(url, {"model": "m", "prompt": "p"})[0] == 200
+        picker.stop()
+        # FailClose: while the picker is down, Envoy answers 500 itself.
+        assert post(url, {"model": "m", "prompt": "p"})[0] == 500
+        picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name="picker-r2", grpc_port=port)
+        wait_until(lambda: post(url, {"model": "m", "prompt": "p"})[0] == 200, 15, "routing to resume")
+        statuses = [post(url, {"model": "m", "prompt": f"p{i}"})[0] for i in range(20)]
+        assert statuses == [200] * 20
+    finally:
+        envoy.stop()
+        picker.stop()
