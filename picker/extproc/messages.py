@@ -33,6 +33,7 @@ SYSTEM_OWNED_HEADERS = frozenset(
 BodyMode = int  # ProcessingMode.BodySendMode value
 STREAMED = 1
 BUFFERED = 2
+BUFFERED_PARTIAL = 3
 FULL_DUPLEX_STREAMED = 4
 
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())

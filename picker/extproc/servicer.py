@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.director import Director, RoutedRequest
 from picker.extproc import messages
-from picker.extproc.messages import BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
+from picker.extproc.messages import BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, STREAMED
 from picker.request.errors import RequestError
 from picker.request.openai import parse_request, rewrite_model
 from picker.request.usage import SseUsageScanner, parse_usage
@@ -79,14 +79,18 @@ class _Stream:
             self.headers["x-request-id"] = str(uuid.uuid4())
         if self.settings.honour_subset_hint:
             self.subset = messages.subset_hint(req)
-        if req.request_headers.end_of_stream:
+        if req.request_headers.end_of_stream or (self.request_mode == STREAMED and not self.send_body_early):
+            # No body, or STREAMED mode where Envoy forwards the headers before any body arrives:
+            # the pick cannot wait for the body.
             self.routed = self.director.route(None, self.subset)
             return [messages.route_in_headers(self.routed.destination, None, self._removed_headers())]
-        if self.request_mode == FULL_DUPLEX_STREAMED or (self.request_mode == STREAMED and self.send_body_early):
-            return []  # answered once the whole body has been seen
-        return [messages.continue_request_headers()]
+        if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
+            return [messages.continue_request_headers()]
+        return []  # duplex, or STREAMED with the body sent early: answered once the body is seen
 
     def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.routed is not None:  # routed on headers (STREAMED without the early body)
+            return [messages.continue_request_body()]
         chunk = req.request_body.body
         self.chunks += 1
         self.body_size += len(chunk)
@@ -96,10 +100,7 @@ class _Stream:
             )
         if chunk:
             self.body.append(chunk)
-        if not req.request_body.end_of_stream:
-            if self.request_mode == STREAMED and not self.send_body_early:
-                # Headers already went upstream; the pick must come from what arrived so far.
-                return [messages.continue_request_body()]
+        if not req.request_body.end_of_stream and self.request_mode != BUFFERED_PARTIAL:
             return []
         return self._route_body(trailers_follow=False)
 
@@ -121,7 +122,7 @@ class _Stream:
         self.streaming = request.stream
         destination = self.routed.destination
         removed = self._removed_headers()
-        if self.request_mode == BUFFERED:
+        if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
             return [messages.route_in_body(destination, removed, new_body)]
         out_body = body if new_body is None else new_body
         responses = [messages.route_in_headers(destination, len(out_body), removed)]

@@ -119,3 +119,31 @@ def test_routing_resumes_after_the_picker_restarts(backends, log_dir: Path) -> N
     finally:
         envoy.stop()
         picker.stop()
+
+
+@pytest.mark.parametrize("early_body", [True, False])
+def test_streamed_mode_routes_and_delivers_the_body(backends, log_dir: Path, early_body: bool) -> None:
+    """STREAMED: with the body sent early the pick waits for it; without, the pick is made
+    on the headers (Envoy has forwarded them already) and the body passes through."""
+    addresses, _ = backends
+    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name=f"picker-streamed-{early_body}")
+    config = picker_config("buffered", ("127.0.0.1", free_port()), ("127.0.0.1", picker.grpc_port),
+                           ("127.0.0.1", free_port()))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    ext_proc["processing_mode"]["request_body_mode"] = "STREAMED"
+    ext_proc["send_body_without_waiting_for_header_response"] = early_body
+    envoy = EnvoyProcess(f"envoy-streamed-{early_body}", config, log_dir).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        for size in (10, 300_000):
+            body = {"model": "m", "prompt": "x" * size}
+            status, answer = post(envoy.url + "/v1/completions", body)
+            assert status == 200
+            assert answer["headers"]["x-gateway-destination-endpoint"] == answer["backend"]
+            assert answer["body_len"] == len(json.dumps(body).encode())
+        status, answer = post(envoy.url + "/v1/completions", {"prompt": "no model"})
+        assert status == (400 if early_body else 200)  # without the early body there is nothing to check
+    finally:
+        envoy.stop()
+        picker.stop()

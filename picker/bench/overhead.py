@@ -1,0 +1,169 @@
+"""What the picker adds to a request through Envoy: latency at a fixed rate, and maximum rate.
+
+`python -m picker.bench.overhead [--seconds S] [--rate R]` starts a fast backend, the picker and
+Envoy (alone; with the picker in BUFFERED mode; with the picker in FULL_DUPLEX_STREAMED mode with
+response phases, as the reference gateway runs), then for 2 KB and 64 KB bodies measures latency
+at a fixed open-loop rate (Python client) and the saturation rate (wrk, 64 connections).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
+from picker.bench.process import ManagedProcess, free_port, port_open
+
+BODY_SIZES = {"2KB": 2048, "64KB": 65536}
+
+
+def body_of(size: int) -> bytes:
+    """A completions request of exactly `size` bytes."""
+    head, tail = b'{"model":"m","max_tokens":1,"prompt":"', b'"}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+@dataclass(frozen=True, slots=True)
+class RateResult:
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def fixed_rate(url: str, body: bytes, rate: float, seconds: float) -> RateResult:
+    """Open-loop arrivals at `rate`/s for `seconds`; latency of each request."""
+    latencies: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=256)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one() -> None:
+            nonlocal errors
+            start = time.perf_counter()
+            try:
+                async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        return
+            except aiohttp.ClientError:
+                errors += 1
+                return
+            latencies.append(time.perf_counter() - start)
+
+        for _ in range(int(rate)):  # warm the connection pool
+            await one()
+        latencies.clear()
+        tasks = []
+        begin = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = begin + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    if not latencies:
+        return RateResult(float("nan"), float("nan"), errors)
+    return RateResult(1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99), errors)
+
+
+def saturation(url: str, body_file: Path, seconds: int) -> float:
+    """Requests per second wrk reaches with 64 connections (non-2xx counted as failures)."""
+    script = body_file.with_suffix(".lua")
+    script.write_text(
+        f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", "-c64", f"-d{seconds}s", "-s", str(script), url],
+        capture_output=True, text=True, timeout=seconds + 30,
+    ).stdout
+    if "Non-2xx" in out:
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    return float(match.group(1)) if match else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m picker.bench.overhead")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of each fixed-rate run")
+    parser.add_argument("--rate", type=float, default=200.0, help="fixed open-loop rate, req/s")
+    parser.add_argument("--saturation-seconds", type=int, default=8)
+    parser.add_argument("--tls", default="true", choices=["true", "false"], help="TLS between Envoy and picker")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
+        return 2
+    tls = args.tls == "true"
+    work = Path(tempfile.mkdtemp(prefix="picker-overhead-"))
+    processes: list[ManagedProcess] = []
+    try:
+        backend_port = free_port()
+        backend = ManagedProcess("backend", [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", str(backend_port)], work).start()
+        processes.append(backend)
+        backend.wait_ready(lambda: port_open("127.0.0.1", backend_port))
+        grpc_port, health, metrics = free_port(), free_port(), free_port()
+        picker = ManagedProcess("picker", [
+            sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}",
+            "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health),
+            "--metrics-port", str(metrics), f"--secure-serving={args.tls}",
+        ], work).start()
+        processes.append(picker)
+        picker.wait_ready(lambda: port_open("127.0.0.1", metrics) and port_open("127.0.0.1", grpc_port))
+        variants = {
+            "envoy alone": baseline_config("round-robin", ("127.0.0.1", free_port()), [f"127.0.0.1:{backend_port}"], ("127.0.0.1", free_port())),
+            "picker BUFFERED": picker_config("buffered", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls),
+            "picker FULL_DUPLEX + response": picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls),
+        }
+        results: dict[str, dict[str, dict[str, float]]] = {}
+        for name, config in variants.items():
+            envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
+            processes.append(envoy)
+            envoy.wait_ready(envoy.ready)
+            url = envoy.url + "/v1/completions"
+            for label, size in BODY_SIZES.items():
+                body = body_of(size)
+                body_file = work / f"body-{label}.json"
+                body_file.write_bytes(body)
+                rate = asyncio.run(fixed_rate(url, body, args.rate, args.seconds))
+                sat = saturation(url, body_file, args.saturation_seconds)
+                results.setdefault(name, {})[label] = {
+                    "p50_ms": rate.p50_ms, "p99_ms": rate.p99_ms, "errors": rate.errors, "max_rps": sat,
+                }
+                print(f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
+                      f"errors {rate.errors}  max {sat:7.0f} req/s", flush=True)
+            envoy.stop()
+        base = results["envoy alone"]
+        print(f"\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s |")
+        print("|---|---|---|---|---|---|---|")
+        for name, by_size in results.items():
+            for label, r in by_size.items():
+                print(f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                      f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
+                      f"{r['max_rps']:.0f} |")
+        (work / "results.json").write_text(json.dumps(results, indent=2))
+        print(f"\nresults: {work / 'results.json'}")
+    finally:
+        for proc in reversed(processes):
+            proc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
