@@ -41,6 +41,10 @@ class ExtProcSettings:
     honour_subset_hint: bool = True
 
 
+def _out_of_order(what: str) -> RequestError:
+    return RequestError("BadRequest", f"ext_proc protocol violation: {what}")
+
+
 class _Stream:
     """The state of one ext_proc stream (one HTTP request)."""
 
@@ -69,6 +73,8 @@ class _Stream:
     # -- request path -----------------------------------------------------------------------
 
     def on_request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.headers:
+            raise _out_of_order("request headers arrived twice")
         if req.HasField("protocol_config"):
             config = req.protocol_config
             self.request_mode = config.request_body_mode or BUFFERED
@@ -91,6 +97,8 @@ class _Stream:
     def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.routed is not None:  # routed on headers (STREAMED without the early body)
             return [messages.continue_request_body()]
+        if not self.headers:
+            raise _out_of_order("request body before request headers")
         chunk = req.request_body.body
         self.chunks += 1
         self.body_size += len(chunk)
@@ -105,6 +113,8 @@ class _Stream:
         return self._route_body(trailers_follow=False)
 
     def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        if not self.headers:
+            raise _out_of_order("request trailers before request headers")
         if self.routed is None:  # trailers end the body in duplex mode
             return self._route_body(trailers_follow=True) + [messages.continue_request_trailers()]
         return [messages.continue_request_trailers()]
