@@ -30,7 +30,8 @@ class InferenceRequest:
     """An inference request after parsing; built once per request, read by every plugin.
 
     Exactly one of `prompt_text`, `prompt_token_ids` and `messages` describes the prompt
-    (`prompt_text` also carries the Responses/Embeddings input rendered as text).
+    (`prompt_text` also carries Responses/Conversations input rendered as text; Embeddings
+    input follows the completions rules).
     """
 
     request_id: str

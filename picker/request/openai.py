@@ -8,6 +8,7 @@ input is a `RequestError` (400) naming the offending field; nothing else escapes
 from __future__ import annotations
 
 from array import array
+from functools import lru_cache
 from itertools import chain
 from typing import Any, Mapping
 
@@ -21,9 +22,6 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 DEFAULT_FAIRNESS_ID = "default-flow"
-
-# Header names tried in order for the request path (Envoy's pseudo-header first).
-_PATH_HEADERS = (":path", "x-original-path", "x-forwarded-path")
 
 # Longest suffix first: "/chat/completions" must win over "/completions".
 _API_BY_SUFFIX = (
@@ -51,6 +49,7 @@ _TOKEN_ID = f"a token id (an integer in 0..{_MAX_TOKEN_ID})"
 _PROMPT_TYPES = "a string, an array of strings, an array of token ids or an array of token-id arrays"
 
 
+@lru_cache(maxsize=1024)  # few distinct paths, one lookup per request
 def api_for_path(path: str) -> Api:
     """The API a request path targets, by suffix (query string ignored); unknown → completions."""
     path = path.partition("?")[0].rstrip("/")
@@ -81,7 +80,7 @@ def parse_request(
     if not isinstance(model, str) or not model:
         raise bad_request("model not found in request body: 'model' must be a non-empty string", "model")
 
-    path = next((p for name in _PATH_HEADERS if (p := headers.get(name))), "")
+    path = headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") or ""
     api = api_for_path(path)
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None

@@ -92,7 +92,7 @@ class SseUsageScanner:
             self._discarding = False
         elif self._pending:
             self._pending += chunk[:end]
-            self._scan_line(bytes(self._pending))
+            self._scan_line(self._pending)
             self._pending.clear()
         else:
             self._scan_line(chunk[:end])
@@ -117,7 +117,7 @@ class SseUsageScanner:
         for line in block.split(b"\n"):
             self._scan_line(line)
 
-    def _scan_line(self, line: bytes) -> None:
+    def _scan_line(self, line: bytes | bytearray) -> None:
         if len(line) > self._max_line_bytes or not line.startswith(_DATA_PREFIX):
             return
         if _USAGE_OBJECT.search(line) is None:

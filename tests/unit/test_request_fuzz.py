@@ -67,11 +67,14 @@ def test_arbitrary_json_only_raises_request_error(payload: Any, path: str) -> No
 
 
 @settings(max_examples=60, deadline=None)
-@given(depth=st.integers(min_value=0, max_value=1500), field=st.sampled_from(["prompt", "input", "items", "extra"]))
+@given(
+    depth=st.integers(min_value=0, max_value=1500),
+    field=st.sampled_from(["prompt", "messages", "input", "items", "tools", "extra"]),
+)
 def test_any_nesting_depth_only_raises_request_error(depth: int, field: str) -> None:
     body = b'{"model":"m","prompt":"p","input":"i","items":[],"messages":[{"role":"user","content":"c"}],'
     body += f'"{field}":'.encode() + b"[" * depth + b"{}" + b"]" * depth + b"}"
-    for path in ("/v1/completions", "/v1/responses", "/v1/conversations", "/v1/embeddings"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/conversations", "/v1/embeddings"):
         request = parse_or_reject(body, path)
         if request is not None:
             try:

@@ -264,7 +264,13 @@ BAD_REQUESTS: list[tuple[str, dict[str, str], bytes | Any, str | None, str]] = [
     ),
     ("content object", CHAT, {"model": "m", "messages": [{"role": "user", "content": {}}]}, "messages[0].content", ""),
     ("content missing", CHAT, {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "null only"),
-    ("user content null", CHAT, {"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content", ""),
+    (
+        "user content null",
+        CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": None}]},
+        "messages[0].content",
+        "tool_calls",
+    ),
     (
         "assistant null, no tool_calls",
         CHAT,
@@ -349,7 +355,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, str], bytes | Any, str | None, str]] = [
     ("responses input number", RESPONSES, {"model": "m", "input": 3}, "input", "string or an array"),
     ("responses input object", RESPONSES, {"model": "m", "input": {"a": 1}}, "input", "string or an array"),
     ("responses item string", RESPONSES, {"model": "m", "input": [{}, "x"]}, "input[1]", "object"),
-    ("responses item too deep", RESPONSES, with_deep({"model": "m", "input": [{"a": DEEP}]}, 300), "input[0]", "deeply"),
+    ("responses item too deep", RESPONSES, with_deep({"model": "m", "input": [{"a": DEEP}]}, 300), "input[0]", "deep"),
     ("instructions number", RESPONSES, {"model": "m", "input": "x", "instructions": 1}, "instructions", "string"),
     ("tools object", RESPONSES, {"model": "m", "input": "x", "tools": {}}, "tools", "array"),
     ("conversations items missing", CONVERSATIONS, {"model": "m"}, "items", "required"),

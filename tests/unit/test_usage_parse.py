@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from picker.request.model import Usage
 from picker.request.usage import SseUsageScanner, parse_usage, usage_from_json
 
-CHAT_USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 8}}
+CHAT_USAGE = {
+    "prompt_tokens": 12,
+    "completion_tokens": 5,
+    "total_tokens": 17,
+    "prompt_tokens_details": {"cached_tokens": 8},
+}
 
 
 @pytest.mark.parametrize(
@@ -77,9 +82,9 @@ def test_scanner_keeps_the_last_usage_object_and_ignores_null_usage() -> None:
     assert scanner.usage is None
     scanner.feed(chunk_event({"prompt_tokens": 1, "completion_tokens": 1}))
     scanner.feed(chunk_event(None))
-    scanner.feed(chunk_event({"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}))
+    scanner.feed(chunk_event(CHAT_USAGE))
     scanner.feed(chunk_event(None) + b"data: [DONE]\n\n")
-    assert scanner.usage == Usage(10, 3, 4)
+    assert scanner.usage == Usage(12, 5, 8)
 
 
 def test_scanner_handles_crlf_split_lines_and_many_events_per_chunk() -> None:
@@ -99,7 +104,10 @@ def test_scanner_reads_responses_completed_events() -> None:
     created = {"type": "response.created", "response": {"id": "r", "usage": None}}
     completed = {
         "type": "response.completed",
-        "response": {"id": "r", "usage": {"input_tokens": 30, "output_tokens": 9, "input_tokens_details": {"cached_tokens": 24}}},
+        "response": {
+            "id": "r",
+            "usage": {"input_tokens": 30, "output_tokens": 9, "input_tokens_details": {"cached_tokens": 24}},
+        },
     }
     scanner = SseUsageScanner()
     scanner.feed(b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n")
