@@ -14,6 +14,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from picker.datalayer.collector import MetricsCollector
 from picker.datastore.store import Datastore
 from picker.director import Director
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
@@ -117,6 +118,13 @@ class PickerServer:
         self.datastore = Datastore()
         self.director = Director(self.datastore)
         self.endpoint_file: EndpointFile | None = None
+        self.collector = MetricsCollector(
+            self.datastore,
+            interval=args.refresh_metrics_interval,
+            staleness_threshold=args.metrics_staleness_threshold,
+            pool_gauges_interval=args.refresh_prometheus_metrics_interval,
+            pool_name=args.pool_name or "",
+        )
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.metrics_runner = None
@@ -136,6 +144,7 @@ class PickerServer:
         self._load_endpoints()
         if self.endpoint_file is not None:
             self.endpoint_file.start()
+        await self.collector.start()
         bind = args.bind_address
         settings = ExtProcSettings(
             max_body_bytes=args.max_body_bytes,
@@ -167,6 +176,7 @@ class PickerServer:
     async def stop(self) -> None:
         if self.endpoint_file is not None:
             await self.endpoint_file.stop()
+        await self.collector.stop()
         for server in (self.grpc_server, self.health_server):
             if server is not None:
                 await server.stop(grace=2)

@@ -155,3 +155,54 @@ KV_STATE_KNOWN = Gauge(
     "1 while the precise index has every KV event of the endpoint, 0 after unrecovered loss.",
     ("endpoint",),
 )
+
+# -- prefix-cache routing (picker/prefix) ------------------------------------------------------
+PREFIX_INDEXER_SIZE = Gauge(
+    "inference_extension_prefix_indexer_size", "Entries in the approximate prefix index (all endpoints' LRUs)."
+)
+PREFIX_INDEXER_HIT_RATIO = Histogram(
+    "inference_extension_prefix_indexer_hit_ratio",
+    "Per request, the best endpoint's matched prefix blocks over the prompt's blocks.",
+    buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+)
+PREFIX_INDEXER_HIT_BYTES = Histogram(
+    "inference_extension_prefix_indexer_hit_bytes",
+    "Per request, the best endpoint's matched prefix length in bytes (blocks × block tokens × 4).",
+    buckets=_SIZE_BUCKETS,
+)
+PREFIX_EXPECTED_HIT_RATIO = Histogram(
+    "picker_prefix_expected_hit_ratio",
+    "Per routed request, the share of its prompt tokens the picker expects the chosen endpoint to have cached.",
+    ("model_name", "endpoint"),
+    buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+)
+PREFIX_PROMPT_TOKENS = Counter(
+    "picker_prefix_prompt_tokens",
+    "Prompt tokens of completed requests (usage), the denominator of the cached-token ratios.",
+    ("model_name", "endpoint"),
+)
+PREFIX_EXPECTED_CACHED_TOKENS = Counter(
+    "picker_prefix_expected_cached_tokens",
+    "Prompt tokens the picker expected to be cached at the chosen endpoint, for completed requests.",
+    ("model_name", "endpoint"),
+)
+PREFIX_SAVED_PREFILL_TOKENS = Counter(
+    "picker_prefix_saved_prefill_tokens",
+    "Prompt tokens the engine actually served from its prefix cache (usage cached_tokens): prefill saved.",
+    ("model_name", "endpoint"),
+)
+PREFIX_SAVED_GPU_SECONDS = Counter(
+    "picker_prefix_saved_gpu_seconds",
+    "Estimated prefill GPU time saved: cached tokens / the endpoint's learnt prefill rate.",
+    ("model_name", "endpoint"),
+)
+PREFIX_FIRST_BLOCK = Counter(
+    "picker_prefix_first_block",
+    "Routed requests by whether their first prompt block was seen before (seen=false: a new prompt start).",
+    ("model_name", "tenant", "seen"),
+)
+PREFIX_TOKENIZE_SEGMENTS = Counter(
+    "picker_prefix_tokenize_segments",
+    "Prompt text segments tokenized (outcome=miss) or reused from the token cache (outcome=hit).",
+    ("outcome",),
+)
