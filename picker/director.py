@@ -7,18 +7,18 @@ and hands back a `RoutedRequest` that the response path completes exactly once.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from typing import Sequence
 
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import EndpointState, split_host_port
 from picker.datastore.store import Datastore
 from picker.request.errors import RequestError
 from picker.request.model import InferenceRequest, ResponseOutcome, Usage
+from picker.scheduling.framework import SchedulingResult
 from picker.telemetry import metrics
 
-log = logging.getLogger(__name__)
 
 
 def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
@@ -45,13 +45,23 @@ class RoutedRequest:
     """One routed request, from the pick until its response ends (or the stream dies)."""
 
     __slots__ = (
-        "director", "request", "targets", "tokens", "started", "first_byte_at", "status",
-        "served", "usage", "response_bytes", "done",
+        "director", "request", "runtime", "result", "targets", "tokens", "started", "first_byte_at",
+        "status", "served", "usage", "response_bytes", "done",
     )
 
-    def __init__(self, director: "Director", request: InferenceRequest | None, targets: list[str], tokens: int) -> None:
+    def __init__(
+        self,
+        director: "Director",
+        request: InferenceRequest | None,
+        targets: list[str],
+        tokens: int,
+        runtime: Runtime | None = None,
+        result: SchedulingResult | None = None,
+    ) -> None:
         self.director = director
         self.request = request
+        self.runtime = runtime  # the config the request was scheduled with, even after a reload
+        self.result = result
         self.targets = targets
         self.tokens = tokens
         self.started = time.monotonic()
@@ -81,10 +91,11 @@ class RoutedRequest:
 
 
 class Director:
-    """Routes parsed requests over the datastore's endpoints."""
+    """Routes parsed requests over the datastore's endpoints with the active scheduler config."""
 
-    def __init__(self, datastore: Datastore) -> None:
+    def __init__(self, datastore: Datastore, runtimes: RuntimeHolder) -> None:
         self.datastore = datastore
+        self.runtimes = runtimes
 
     def candidates(self, subset: Sequence[str] | None) -> list[EndpointState]:
         candidates = self.datastore.snapshot()
@@ -96,23 +107,33 @@ class Director:
             raise RequestError("ServiceUnavailable", "no ready endpoints in the pool")
         return candidates
 
-    def route(self, request: InferenceRequest | None, subset: Sequence[str] | None) -> RoutedRequest:
-        """Pick endpoints for `request` (None for a request without a body)."""
+    def route_without_body(self, subset: Sequence[str] | None) -> RoutedRequest:
+        """Pick for a request that has no body to schedule on (e.g. GET /v1/models)."""
+        primary = least_loaded(self.candidates(subset)).address
+        self._count(primary, 0)
+        return RoutedRequest(self, None, [primary], 0)
+
+    async def route(self, request: InferenceRequest, subset: Sequence[str] | None) -> RoutedRequest:
+        """Admit, schedule and count `request`; raises RequestError (429, 503) when it cannot."""
         candidates = self.candidates(subset)
-        started = time.perf_counter()
-        targets = [least_loaded(candidates).address]
-        metrics.SCHEDULER_E2E.observe(time.perf_counter() - started)
-        tokens = request.estimated_prompt_tokens() if request is not None else 0
-        primary = targets[0]
+        runtime = self.runtimes.current
+        runtime.admit(request, candidates)
+        await runtime.prepare_async(request, candidates)
+        result = runtime.scheduler.schedule(request, candidates)
+        runtime.pre_request(request, result)
+        targets = [t.address for t in result.targets]
+        tokens = request.estimated_prompt_tokens()
+        self._count(targets[0], tokens)
+        labels = (request.model, request.target_model)
+        metrics.REQUEST_TOTAL.labels(*labels, str(runtime.priority(request))).inc()
+        metrics.REQUEST_SIZES.labels(*labels).observe(request.size_bytes)
+        metrics.RUNNING_REQUESTS.labels(request.model).inc()
+        return RoutedRequest(self, request, targets, tokens, runtime, result)
+
+    def _count(self, primary: str, tokens: int) -> None:
         self.datastore.acquire(primary, tokens)
         metrics.ROUTED_TOTAL.labels(primary).inc()
         metrics.IN_FLIGHT.labels(primary).set(self.datastore.in_flight(primary))
-        if request is not None:
-            labels = (request.model, request.target_model)
-            metrics.REQUEST_TOTAL.labels(*labels, "0").inc()
-            metrics.REQUEST_SIZES.labels(*labels).observe(request.size_bytes)
-            metrics.RUNNING_REQUESTS.labels(request.model).inc()
-        return RoutedRequest(self, request, targets, tokens)
 
     def complete(self, routed: RoutedRequest, error: str | None) -> None:
         primary = routed.targets[0]
@@ -130,6 +151,8 @@ class Director:
             usage=routed.usage,
             error=error,
         )
+        if routed.runtime is not None and routed.result is not None:
+            routed.runtime.response_complete(request, routed.result, outcome)
         labels = (request.model, request.target_model)
         metrics.RUNNING_REQUESTS.labels(request.model).dec()
         metrics.REQUEST_DURATION.labels(*labels).observe(outcome.duration_seconds)

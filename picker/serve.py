@@ -14,9 +14,12 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from picker.config.runtime import RuntimeHolder
+from picker.config.schema import ConfigError
 from picker.datalayer.collector import MetricsCollector
 from picker.datastore.store import Datastore
 from picker.director import Director
+from picker.scheduling.decisions import DecisionLog
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
@@ -116,15 +119,12 @@ class PickerServer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.datastore = Datastore()
-        self.director = Director(self.datastore)
+        self.decisions = DecisionLog(1000) if args.enable_debug_decisions else None
+        self.runtimes = RuntimeHolder(self.datastore, self.decisions)
+        self.director = Director(self.datastore, self.runtimes)
+        self.config_watch: asyncio.Task[None] | None = None
         self.endpoint_file: EndpointFile | None = None
-        self.collector = MetricsCollector(
-            self.datastore,
-            interval=args.refresh_metrics_interval,
-            staleness_threshold=args.metrics_staleness_threshold,
-            pool_gauges_interval=args.refresh_prometheus_metrics_interval,
-            pool_name=args.pool_name or "",
-        )
+        self.collector: MetricsCollector | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.metrics_runner = None
@@ -139,12 +139,49 @@ class PickerServer:
         else:
             raise EndpointListError("one of --endpoints, --endpoints-file, --pool-name or --endpoint-selector is required")
 
+    def _load_config(self) -> None:
+        args = self.args
+        if args.config_file and args.config_text:
+            raise ConfigError(["--config-file and --config-text are mutually exclusive"])
+        if args.config_file:
+            self.runtimes.load_file(args.config_file)
+        elif args.config_text:
+            self.runtimes.load_text(args.config_text)
+
+    def _metrics_collector(self) -> MetricsCollector | None:
+        """The scraper as the config's data layer describes it (none if `sources: []`).
+        Data-layer settings are read at start; a reload changes scheduling, not scraping."""
+        args = self.args
+        sources = self.runtimes.current.data_sources
+        if sources is not None and not sources:
+            return None
+        settings: dict = {}
+        if sources:
+            source = sources[0].source
+            settings = {"path": source.path, "scheme": source.scheme,
+                        "insecure_skip_verify": source.insecure_skip_verify}
+            if sources[0].extractors:
+                settings["engines"] = sources[0].extractors[0].catalog
+        return MetricsCollector(
+            self.datastore,
+            interval=args.refresh_metrics_interval,
+            staleness_threshold=args.metrics_staleness_threshold,
+            pool_gauges_interval=args.refresh_prometheus_metrics_interval,
+            pool_name=args.pool_name or "",
+            **settings,
+        )
+
     async def start(self) -> None:
         args = self.args
+        self._load_config()
+        if args.config_file:
+            self.config_watch = asyncio.create_task(self.runtimes.watch(args.config_file), name="config-watch")
         self._load_endpoints()
         if self.endpoint_file is not None:
             self.endpoint_file.start()
-        await self.collector.start()
+        self.collector = self._metrics_collector()
+        if self.collector is not None:
+            await self.collector.start()
         bind = args.bind_address
         settings = ExtProcSettings(
             max_body_bytes=args.max_body_bytes,
@@ -164,7 +201,8 @@ class PickerServer:
             HealthServicer(lambda: self.datastore.synced), self.health_server
         )
         self.health_server.add_insecure_port(f"{bind}:{args.grpc_health_port}")
-        self.metrics_runner = await start_metrics_server(metrics_app(), bind, args.metrics_port)
+        decisions = self.decisions.entries if self.decisions is not None else None
+        self.metrics_runner = await start_metrics_server(metrics_app(decisions), bind, args.metrics_port)
         await self.grpc_server.start()
         await self.health_server.start()
         log.info(
@@ -174,9 +212,13 @@ class PickerServer:
         )
 
     async def stop(self) -> None:
+        if self.config_watch is not None:
+            self.config_watch.cancel()
+            await asyncio.gather(self.config_watch, return_exceptions=True)
         if self.endpoint_file is not None:
             await self.endpoint_file.stop()
-        await self.collector.stop()
+        if self.collector is not None:
+            await self.collector.stop()
         for server in (self.grpc_server, self.health_server):
             if server is not None:
                 await server.stop(grace=2)
@@ -192,7 +234,7 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-    except (EndpointListError, OSError) as e:
+    except (EndpointListError, ConfigError, OSError) as e:
         log.error("cannot start: %s", e)
         await server.stop()
         return 1

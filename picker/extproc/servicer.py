@@ -88,13 +88,13 @@ class _Stream:
         if req.request_headers.end_of_stream or (self.request_mode == STREAMED and not self.send_body_early):
             # No body, or STREAMED mode where Envoy forwards the headers before any body arrives:
             # the pick cannot wait for the body.
-            self.routed = self.director.route(None, self.subset)
+            self.routed = self.director.route_without_body(self.subset)
             return [messages.route_in_headers(self.routed.destination, None, self._removed_headers())]
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
             return [messages.continue_request_headers()]
         return []  # duplex, or STREAMED with the body sent early: answered once the body is seen
 
-    def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.routed is not None:  # routed on headers (STREAMED without the early body)
             return [messages.continue_request_body()]
         if not self.headers:
@@ -110,16 +110,16 @@ class _Stream:
             self.body.append(chunk)
         if not req.request_body.end_of_stream and self.request_mode != BUFFERED_PARTIAL:
             return []
-        return self._route_body(trailers_follow=False)
+        return await self._route_body(trailers_follow=False)
 
-    def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+    async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
         if not self.headers:
             raise _out_of_order("request trailers before request headers")
         if self.routed is None:  # trailers end the body in duplex mode
-            return self._route_body(trailers_follow=True) + [messages.continue_request_trailers()]
+            return await self._route_body(trailers_follow=True) + [messages.continue_request_trailers()]
         return [messages.continue_request_trailers()]
 
-    def _route_body(self, trailers_follow: bool) -> list[pb.ProcessingResponse]:
+    async def _route_body(self, trailers_follow: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body)
         self.body = []
         request = parse_request(
@@ -128,7 +128,7 @@ class _Stream:
         new_body = None
         if request.target_model != request.model:
             new_body = rewrite_model(request.body, request.target_model)
-        self.routed = self.director.route(request, self.subset)
+        self.routed = await self.director.route(request, self.subset)
         self.streaming = request.stream
         destination = self.routed.destination
         removed = self._removed_headers()
@@ -194,15 +194,15 @@ class _Stream:
             self.routed.finish()
         return [messages.continue_response_trailers()]
 
-    def dispatch(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def dispatch(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The answers to one message from Envoy, in order (possibly none yet)."""
         kind = req.WhichOneof("request")
         if kind == "request_headers":
             return self.on_request_headers(req)
         if kind == "request_body":
-            return self.on_request_body(req)
+            return await self.on_request_body(req)
         if kind == "request_trailers":
-            return self.on_request_trailers()
+            return await self.on_request_trailers()
         if kind == "response_headers":
             return self.on_response_headers(req)
         if kind == "response_body":
@@ -233,7 +233,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             async for req in request_iterator:
                 try:
-                    responses = stream.dispatch(req)
+                    responses = await stream.dispatch(req)
                 except RequestError as e:
                     # The answer ends the HTTP exchange; Envoy closes this stream after it.
                     error = e.code

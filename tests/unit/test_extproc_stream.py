@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from envoy.config.core.v3 import base_pb2
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
+from picker.config.runtime import RuntimeHolder
 from picker.director import Director
 from picker.extproc.messages import BODY_CHUNK_BYTES, BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
 from picker.extproc.servicer import ExtProcSettings, _Stream
@@ -22,7 +24,7 @@ ENDPOINTS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
 def director() -> Director:
     store = Datastore()
     store.set_endpoints(ENDPOINTS)
-    return Director(store)
+    return Director(store, RuntimeHolder(store))
 
 
 def headers(path: str = "/v1/completions", eos: bool = False, mode: int = FULL_DUPLEX_STREAMED,
@@ -43,14 +45,14 @@ def body(chunk: bytes, eos: bool) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=eos))
 
 
-def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() -> None:
+async def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() -> None:
     d = director()
     stream = _Stream(d, ExtProcSettings())
     payload = json.dumps({"model": "m", "prompt": "p" * 70000}).encode()
-    assert stream.dispatch(headers()) == []
+    assert (await stream.dispatch(headers())) == []
     for i in range(len(payload) - 1):
-        assert stream.dispatch(body(payload[i : i + 1], False)) == []
-    out = stream.dispatch(body(payload[-1:], True))
+        assert (await stream.dispatch(body(payload[i : i + 1], False))) == []
+    out = await stream.dispatch(body(payload[-1:], True))
     header_response, *chunks = out
     mutation = {h.header.key: h.header.raw_value for h in header_response.request_headers.response.header_mutation.set_headers}
     assert mutation["content-length"] == str(len(payload)).encode()
@@ -63,21 +65,21 @@ def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() -> None:
     assert all(d.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)
 
 
-def test_trailers_end_the_body_in_duplex_mode() -> None:
+async def test_trailers_end_the_body_in_duplex_mode() -> None:
     stream = _Stream(director(), ExtProcSettings())
-    stream.dispatch(headers())
-    stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), False))
-    out = stream.dispatch(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    await stream.dispatch(headers())
+    await stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), False))
+    out = await stream.dispatch(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
     assert out[0].HasField("request_headers")
     assert out[1].request_body.response.body_mutation.streamed_response.end_of_stream is False
     assert out[-1].HasField("request_trailers")
 
 
-def test_buffered_mode_answers_headers_then_routes_in_the_body_response() -> None:
+async def test_buffered_mode_answers_headers_then_routes_in_the_body_response() -> None:
     stream = _Stream(director(), ExtProcSettings())
-    (first,) = stream.dispatch(headers(mode=BUFFERED))
+    (first,) = await stream.dispatch(headers(mode=BUFFERED))
     assert first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
-    (routed,) = stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), True))
+    (routed,) = await stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), True))
     assert routed.request_body.response.clear_route_cache
     assert routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
 
@@ -111,11 +113,15 @@ def message(kind: str, data: bytes, mode: int) -> pb.ProcessingRequest:
 def test_any_message_order_never_breaks_the_stream_and_always_releases(mode: int, script) -> None:
     d = director()
     stream = _Stream(d, ExtProcSettings(max_body_bytes=256))
-    for kind, data in script:
-        try:
-            stream.dispatch(message(kind, data, mode))
-        except RequestError as e:
-            assert e.status in (400, 413, 503)
-            break
+
+    async def play() -> None:
+        for kind, data in script:
+            try:
+                await stream.dispatch(message(kind, data, mode))
+            except RequestError as e:
+                assert e.status in (400, 413, 503)
+                return
+
+    asyncio.run(play())
     stream.close("cancelled")
     assert all(d.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)

@@ -1,0 +1,155 @@
+"""Strict reading of a plugin's raw `parameters` mapping.
+
+Each accessor validates one parameter and records it as known; `finish()` then rejects any
+parameter the plugin did not read, so a misspelt key is an error rather than silently ignored.
+Messages name the parameter (`queueDepthThreshold: must be > 0, got 0`); the config loader
+prefixes them with the plugin's place in the file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, TypeVar
+
+from picker.scheduling.registry import PluginConfigError
+
+T = TypeVar("T")
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go-style duration ("200ms", "1m30s", "0"); ValueError if malformed."""
+    text = text.strip()
+    if not text:
+        raise ValueError('invalid duration ""')
+    if text == "0":
+        return 0.0
+    position, total = 0, 0.0
+    while position < len(text):
+        match = _DURATION_PART.match(text, position)
+        if match is None:
+            raise ValueError(f'invalid duration "{text}" (expected e.g. "200ms", "1.5s", "1m")')
+        total += float(match.group(1)) * _DURATION_UNIT[match.group(2)]
+        position = match.end()
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest exact Go-style rendering of `seconds` in ms or s."""
+    milliseconds = seconds * 1000
+    if milliseconds == int(milliseconds) and milliseconds % 1000:
+        return f"{int(milliseconds)}ms"
+    return f"{seconds:g}s"
+
+
+class Parameters:
+    """A typed, strict view of one plugin's parameters."""
+
+    def __init__(self, raw: Mapping[str, Any] | None) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise PluginConfigError(f"parameters: must be a mapping, got {type(raw).__name__}")
+        self._raw = raw
+        self._read: set[str] = set()
+        self._effective: dict[str, Any] = {}
+
+    def _get(self, key: str) -> Any:
+        self._read.add(key)
+        return self._raw.get(key)
+
+    def _keep(self, key: str, value: T, shown: Any = None) -> T:
+        """Record `value` (or its display form `shown`) as the effective parameter and return it."""
+        self._effective[key] = value if shown is None else shown
+        return value
+
+    def number(
+        self,
+        key: str,
+        default: float,
+        *,
+        above: float | None = None,
+        at_least: float | None = None,
+        at_most: float | None = None,
+    ) -> float:
+        """A number; `above` is an exclusive lower bound, `at_least`/`at_most` inclusive."""
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PluginConfigError(f"{key}: must be a number, got {value!r}")
+        if above is not None and not value > above:
+            raise PluginConfigError(f"{key}: must be > {above:g}, got {value!r}")
+        if at_least is not None and value < at_least:
+            raise PluginConfigError(f"{key}: must be >= {at_least:g}, got {value!r}")
+        if at_most is not None and value > at_most:
+            raise PluginConfigError(f"{key}: must be <= {at_most:g}, got {value!r}")
+        return self._keep(key, float(value))
+
+    def integer(self, key: str, default: int, *, at_least: int | None = None) -> int:
+        """An integer (a float with no fraction is accepted, as JSON does)."""
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PluginConfigError(f"{key}: must be an integer, got {value!r}")
+        if at_least is not None and value < at_least:
+            raise PluginConfigError(f"{key}: must be >= {at_least}, got {value!r}")
+        return self._keep(key, value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default)
+        if not isinstance(value, bool):
+            raise PluginConfigError(f"{key}: must be true or false, got {value!r}")
+        return self._keep(key, value)
+
+    def string(self, key: str, default: str, *, choices: tuple[str, ...] | None = None) -> str:
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default)
+        if not isinstance(value, str):
+            raise PluginConfigError(f"{key}: must be a string, got {value!r}")
+        if choices is not None and value not in choices:
+            raise PluginConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
+        return self._keep(key, value)
+
+    def duration(self, key: str, default: float) -> float:
+        """A Go-style duration string ("200ms") or a number of seconds, as seconds (>= 0)."""
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default, format_duration(default))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            seconds = float(value)
+        elif isinstance(value, str):
+            try:
+                seconds = parse_duration(value)
+            except ValueError as error:
+                raise PluginConfigError(f"{key}: {error}") from None
+        else:
+            raise PluginConfigError(f'{key}: must be a duration such as "200ms", got {value!r}')
+        if seconds < 0:
+            raise PluginConfigError(f"{key}: must not be negative, got {value!r}")
+        return self._keep(key, seconds, value)
+
+    def mapping(self, key: str) -> Mapping[str, Any]:
+        """A nested mapping (empty when absent); its contents are the caller's to check."""
+        value = self._get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise PluginConfigError(f"{key}: must be a mapping, got {value!r}")
+        return self._keep(key, value)
+
+    def finish(self) -> dict[str, Any]:
+        """Reject every parameter no accessor asked for; return the effective parameters
+        (every one read, defaults included) for `Plugin.parameters`."""
+        unknown = [key for key in self._raw if key not in self._read]
+        if unknown:
+            raise PluginConfigError(f"{unknown[0]}: unknown parameter")
+        return dict(self._effective)

@@ -1,0 +1,176 @@
+"""The scheduler: data producers, then profiles (filters → weighted scorers → picker).
+
+Every plugin call is timed with `time.perf_counter` into the reference's
+`inference_extension_plugin_duration_seconds`, and the whole cycle into
+`inference_extension_scheduler_e2e_duration_seconds`; histogram children are bound once at
+construction so a decision pays only for `observe`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Sequence
+
+from picker.datastore.endpoint import EndpointState
+from picker.request.errors import RequestError
+from picker.request.model import InferenceRequest
+from picker.scheduling.framework import (
+    CycleState,
+    DataProducer,
+    Filter,
+    Picker,
+    Plugin,
+    ProfileHandler,
+    ProfileRunResult,
+    Scorer,
+    SchedulingResult,
+)
+from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_ATTEMPTS, SCHEDULER_E2E
+
+if TYPE_CHECKING:
+    from picker.scheduling.decisions import DecisionLog
+
+log = logging.getLogger(__name__)
+
+
+def _timer(extension_point: str, plugin: Plugin):  # noqa: ANN202 - a prometheus child histogram
+    return PLUGIN_DURATION.labels(extension_point, plugin.plugin_type, plugin.name)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    """A scorer with its weight in one profile."""
+
+    scorer: Scorer
+    weight: float
+
+
+class SchedulerProfile:
+    """One named profile: filters in order, weighted scorers, one picker."""
+
+    def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[WeightedScorer], picker: Picker) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self._filter_steps = tuple((f, _timer("Filter", f)) for f in self.filters)
+        self._scorer_steps = tuple((s.scorer, s.weight, _timer("Scorer", s.scorer)) for s in self.scorers)
+        self._weights = {s.scorer.name: s.weight for s in self.scorers}
+        self._picker_timer = _timer("Picker", picker)
+
+    def run(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> ProfileRunResult | None:
+        """The profile's targets, or None when the filters leave no candidate."""
+        for plugin, timer in self._filter_steps:
+            started = perf_counter()
+            candidates = plugin.filter(request, cycle_state, candidates)
+            timer.observe(perf_counter() - started)
+            if not candidates:
+                return None
+        candidates = tuple(candidates)
+        totals = [0.0] * len(candidates)
+        scores: dict[str, Sequence[float]] = {}
+        for plugin, weight, timer in self._scorer_steps:
+            started = perf_counter()
+            raw = plugin.score(request, cycle_state, candidates)
+            timer.observe(perf_counter() - started)
+            if len(raw) != len(candidates):
+                raise RuntimeError(
+                    f"scorer {plugin.name!r} returned {len(raw)} scores for {len(candidates)} candidates"
+                )
+            scores[plugin.name] = raw
+            totals = [
+                total + (0.0 if score < 0.0 else 1.0 if score > 1.0 else score) * weight
+                for total, score in zip(totals, raw)
+            ]
+        started = perf_counter()
+        targets = self.picker.pick(cycle_state, candidates, totals)
+        self._picker_timer.observe(perf_counter() - started)
+        return ProfileRunResult(targets, candidates, scores, self._weights, totals)
+
+
+class Scheduler:
+    """Runs one scheduling cycle per request over a fixed set of plugins."""
+
+    def __init__(
+        self,
+        profile_handler: ProfileHandler,
+        profiles: Sequence[SchedulerProfile],
+        producers: Sequence[DataProducer] = (),
+        decision_log: DecisionLog | None = None,
+    ) -> None:
+        self.profile_handler = profile_handler
+        self.profiles = {p.name: p for p in profiles}
+        self.producers = tuple(producers)
+        self.decision_log = decision_log
+        self._profile_names = tuple(self.profiles)
+        self._producer_steps = tuple((p, _timer("PrepareData", p)) for p in self.producers)
+        self._handler_timer = _timer("ProfileHandler", profile_handler)
+        self._attempts: dict[tuple[str, str], Any] = {}  # (status, model) → counter child
+
+    def _count_attempt(self, status: str, model: str) -> None:
+        key = (status, model)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = SCHEDULER_ATTEMPTS.labels(status, model)
+        child.inc()
+
+    def schedule(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
+        """Choose targets for `request` among `candidates`.
+
+        Raises `RequestError`: ServiceUnavailable (503) when there are no candidates at all,
+        ResourceExhausted (429) when the filters leave none.
+        """
+        started = perf_counter()
+        try:
+            if not candidates:
+                raise RequestError("ServiceUnavailable", "no endpoints available to serve the request")
+            cycle_state = CycleState()
+            self._prepare(request, candidates, cycle_state)
+            result = self._run_profiles(request, cycle_state, candidates)
+        except RequestError:
+            self._count_attempt("failure", request.target_model)
+            raise
+        SCHEDULER_E2E.observe(perf_counter() - started)
+        self._count_attempt("success", request.target_model)
+        if self.decision_log is not None:
+            self.decision_log.record(request, result)
+        return result
+
+    def _prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
+        # As in the reference, a failing producer is logged and does not fail the request;
+        # its consumers then find no data and score 0.
+        for producer, timer in self._producer_steps:
+            started = perf_counter()
+            try:
+                producer.prepare(request, candidates, cycle_state)
+            except Exception:
+                log.exception("data producer %s failed for request %s", producer.name, request.request_id)
+            timer.observe(perf_counter() - started)
+
+    def _run_profiles(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> SchedulingResult:
+        handler = self.profile_handler
+        results: dict[str, ProfileRunResult | None] = {}
+        handler_seconds = 0.0
+        while True:
+            started = perf_counter()
+            chosen = [
+                name
+                for name in handler.pick_profiles(request, cycle_state, self._profile_names, results)
+                if name not in results
+            ]
+            handler_seconds += perf_counter() - started
+            if not chosen:
+                break
+            for name in chosen:
+                results[name] = self.profiles[name].run(request, cycle_state, candidates)
+        started = perf_counter()
+        try:
+            return handler.process_results(request, cycle_state, results)
+        finally:
+            self._handler_timer.observe(handler_seconds + perf_counter() - started)
