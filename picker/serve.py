@@ -14,6 +14,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from picker.config.objectives import parse_objectives
 from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datalayer.collector import MetricsCollector
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = p.add_argument_group("scheduling")
     cfg.add_argument("--config-file", help="EndpointPickerConfig file (hot-reloaded)")
     cfg.add_argument("--config-text", help="EndpointPickerConfig as inline YAML")
+    cfg.add_argument("--objectives-file", help="InferenceObjectives (priorities) when not read from Kubernetes")
     cfg.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
     cfg.add_argument("--refresh-prometheus-metrics-interval", type=parse_duration, default=5.0)
     cfg.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
@@ -147,6 +149,9 @@ class PickerServer:
             self.runtimes.load_file(args.config_file)
         elif args.config_text:
             self.runtimes.load_text(args.config_text)
+        if args.objectives_file:
+            with open(args.objectives_file, encoding="utf-8") as f:
+                self.runtimes.set_objectives(parse_objectives(f.read()))
 
     def _metrics_collector(self) -> MetricsCollector | None:
         """The scraper as the config's data layer describes it (none if `sources: []`).
