@@ -21,6 +21,7 @@ from picker.datalayer.collector import MetricsCollector
 from picker.datastore.store import Datastore
 from picker.director import Director
 from picker.scheduling.decisions import DecisionLog
+from picker.scheduling.framework import BackgroundWork
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
@@ -184,6 +185,9 @@ class PickerServer:
         self._load_endpoints()
         if self.endpoint_file is not None:
             self.endpoint_file.start()
+        for plugin in self.runtimes.current.plugins.values():
+            if isinstance(plugin, BackgroundWork):
+                plugin.start()
         self.collector = self._metrics_collector()
         if self.collector is not None:
             await self.collector.start()

@@ -195,6 +195,14 @@ class ResponseComplete(Plugin):
     ) -> None: ...
 
 
+class BackgroundWork(Plugin):
+    """A plugin with work of its own beside requests (e.g. subscribing to KV-cache events);
+    the server starts it once its event loop runs, so it is warm before the first request."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+
 class SaturationDetector(Plugin):
     """Measures how saturated the candidates are; >= 1.0 means saturated."""
 

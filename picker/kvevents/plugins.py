@@ -1,0 +1,229 @@
+"""`precise-prefix-cache-scorer`: prefix affinity from the engines' own KV-cache events.
+
+Scores each candidate by the tier-weighted longest prefix of the request's token blocks that
+its engine reports cached (see `picker.prefix.precise`). The request's blocks come from the
+`PromptBlocks` the prefix producer computes once per request (`approx-prefix-cache-producer`,
+added by default); character blocks (no tokenizer) cannot be matched and score 0. After the
+pick the scorer predicts the target will cache the prompt (speculative entries, `speculativeTTL`)
+and records the request's scope so the engine's coming events land in it.
+
+Parameters (llm-d's names where they exist):
+- `kvEventsPort` (5557): the publisher port on each endpoint's IP, for endpoints without a
+  `kv_events_address`; null subscribes only endpoints that have one.
+- `kvEventsReplayPort` (none): the publisher's replay ROUTER port; without it a lost message
+  makes the endpoint unknown until its cache is cleared.
+- `topicFilter` ("kv@"), `modelName` (""): the model seeding blocks without a LoRA when the
+  topic (`kv@<pod>@<model>`) names none.
+- `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
+  block size, the producer's hashes are used as they are, else re-hashed from the token ids.
+- `tierWeights` ({gpu: 1.0, cpu: 0.8}), `speculativeTTL` ("2s"; 0 disables),
+  `capacityPerEndpoint` (200000 blocks; with `autoTune`, 2 x the engine's GPU blocks when
+  scraped), `replayTimeout` ("1s").
+
+The index and subscriber live in `Handle.persistent`, so a config reload with the same
+parameters keeps the warm index; changed parameters replace them (the old subscriber stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from picker.datastore.endpoint import EndpointState
+from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from picker.prefix.hashing import token_block_hashes
+from picker.prefix.plugins import PROMPT_BLOCKS_KEY
+from picker.prefix.precise import PreciseIndex, TierWeights
+from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
+from picker.request.model import InferenceRequest
+from picker.scheduling.framework import (
+    BackgroundWork,
+    CycleState,
+    Handle,
+    PreRequest,
+    SchedulingResult,
+    Scorer,
+    ScorerCategory,
+)
+from picker.scheduling.parameters import Parameters
+from picker.scheduling.registry import PluginConfigError, register
+
+log = logging.getLogger(__name__)
+
+_SHARED_KEY = "kvevents/precise-index"
+_HASHES_KEY = "precise-prefix-cache-scorer/hashes"
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseConfig:
+    """The scorer's parameters."""
+
+    subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
+    block_size: int = 16
+    weights: TierWeights = field(default_factory=TierWeights)
+    speculative_ttl: float = 2.0
+    capacity: int = 200_000
+    auto_tune: bool = True
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> PreciseConfig:
+        p = Parameters(raw)
+        port: int | None = p.integer("kvEventsPort", 5557, at_least=1)
+        if raw is not None and "kvEventsPort" in raw and raw["kvEventsPort"] is None:
+            port = None
+        replay = p.integer("kvEventsReplayPort", 0, at_least=1) or None
+        for key, value in (("kvEventsPort", port), ("kvEventsReplayPort", replay)):
+            if value is not None and value > 65535:
+                raise PluginConfigError(f"{key}: must be a port number, got {value}")
+        subscriber = SubscriberConfig(
+            port=port,
+            replay_port=replay,
+            topic_filter=p.string("topicFilter", "kv@"),
+            model=p.string("modelName", ""),
+            replay_timeout=p.duration("replayTimeout", 1.0),
+        )
+        tiers = dict(p.mapping("tierWeights"))
+        weights = TierWeights(_weight(tiers.pop("gpu", 1.0), "gpu"), _weight(tiers.pop("cpu", 0.8), "cpu"))
+        if tiers:
+            raise PluginConfigError(f"tierWeights.{next(iter(tiers))}: unknown tier (gpu, cpu)")
+        config = cls(
+            subscriber=subscriber,
+            block_size=p.integer("blockSizeTokens", 16, at_least=1),
+            weights=weights,
+            speculative_ttl=p.duration("speculativeTTL", 2.0),
+            capacity=p.integer("capacityPerEndpoint", 200_000, at_least=1),
+            auto_tune=p.boolean("autoTune", True),
+        )
+        p.finish()
+        return config
+
+
+def _weight(value: Any, tier: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise PluginConfigError(f"tierWeights.{tier}: must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+class PreciseRuntime:
+    """The index and its subscriber, shared by every scorer instance built from one config."""
+
+    def __init__(self, config: PreciseConfig, index: PreciseIndex, subscriber: KVEventSubscriber | None) -> None:
+        self.config = config
+        self.index = index
+        self.subscriber = subscriber
+
+    def ensure_started(self) -> None:
+        """Start the subscriber on the running loop (plugins may be built before one exists)."""
+        if self.subscriber is not None and not self.subscriber.started:
+            self.subscriber.start()
+
+    def retire(self) -> None:
+        """Stop the subscriber of a replaced runtime (in the background when a loop runs)."""
+        subscriber = self.subscriber
+        if subscriber is None or not subscriber.started:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("precise index replaced outside the event loop; its subscriber is left running")
+            return
+        loop.create_task(subscriber.stop())
+
+
+class PreciseScorer(Scorer, PreRequest, BackgroundWork):
+    """`precise-prefix-cache-scorer`: see the module docstring."""
+
+    plugin_type = "precise-prefix-cache-scorer"
+    category = ScorerCategory.AFFINITY
+    consumes = frozenset({PROMPT_BLOCKS_KEY})
+
+    def __init__(self, name: str, runtime: PreciseRuntime) -> None:
+        super().__init__(name)
+        self.runtime = runtime
+        self.index = runtime.index
+        self._capacities: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.runtime.ensure_started()
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
+        config = PreciseConfig.parse(parameters)
+        holder: dict[str, PreciseRuntime] = handle.persistent(_SHARED_KEY, dict)
+        runtime = holder.get("runtime")
+        if runtime is None or runtime.config != config:
+            if runtime is not None:
+                runtime.retire()
+            index = PreciseIndex(
+                config.block_size,
+                weights=config.weights,
+                speculative_ttl=config.speculative_ttl,
+                default_capacity=config.capacity,
+            )
+            subscriber = None
+            if handle.datastore is not None:
+                subscriber = KVEventSubscriber(index, handle.datastore, config.subscriber)
+            runtime = holder["runtime"] = PreciseRuntime(config, index, subscriber)
+        return cls(name, runtime)
+
+    def score(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[float]:
+        self.runtime.ensure_started()
+        hashes = self.block_hashes(cycle_state)
+        if not hashes:
+            return [0.0] * len(candidates)
+        if self.runtime.config.auto_tune:
+            self._tune_capacity(candidates)
+        return self.index.score(hashes, [c.address for c in candidates])
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        targets = result.targets
+        if not targets:
+            return
+        hashes = self.block_hashes(result.cycle_state)
+        if not hashes:
+            return
+        address = targets[0].address
+        blocks = result.cycle_state.get(PROMPT_BLOCKS_KEY)
+        if isinstance(blocks, PromptBlocks) and blocks.token_ids is not None:
+            self.index.record_scope(address, blocks.token_ids, request.target_model, request.cache_salt, request.tenant)
+        self.index.insert_speculative(address, hashes)
+
+    def block_hashes(self, cycle_state: CycleState) -> Sequence[int]:
+        """The request's token-block hashes at the index's block size (computed at most once)."""
+        cached = cycle_state.get(_HASHES_KEY)
+        if cached is not None:
+            return cached
+        blocks = cycle_state.get(PROMPT_BLOCKS_KEY)
+        hashes: Sequence[int] = ()
+        if isinstance(blocks, PromptBlocks) and blocks.kind == TOKENS:
+            size = self.index.block_size
+            if blocks.block_tokens == size:
+                hashes = blocks.hashes
+            elif blocks.token_ids is not None:
+                tokens = blocks.token_ids
+                hashed = len(blocks.hashes) * blocks.block_tokens
+                if len(tokens) >= hashed + blocks.block_tokens:  # the producer stopped at its block cap
+                    tokens = tokens[:hashed]
+                hashes = token_block_hashes(tokens, size, blocks.seed)
+        cycle_state[_HASHES_KEY] = hashes
+        return hashes
+
+    def _tune_capacity(self, candidates: Sequence[EndpointState]) -> None:
+        """Keep 2 x each engine's GPU blocks (in own blocks), as scraped: room for CPU tiers and
+        for removals that arrive late."""
+        capacities = self._capacities
+        size = self.index.block_size
+        for c in candidates:
+            blocks = c.metrics.cache_num_blocks
+            if blocks > 0 and capacities.get(c.address) != blocks:
+                capacities[c.address] = blocks
+                engine_size = c.metrics.cache_block_size or size
+                self.index.set_capacity(c.address, 2 * -(-blocks * engine_size // size))
+
+
+register(PreciseScorer.plugin_type, PreciseScorer.create)

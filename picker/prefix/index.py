@@ -1,0 +1,122 @@
+"""The approximate prefix index: which endpoints were recently sent which prefix blocks.
+
+Like the reference's indexer: a global map `block hash → endpoints` plus, per endpoint, an LRU
+of the hashes it holds; evicting a hash from an endpoint's LRU removes the endpoint from the
+global map. Keys are chained hashes (each encodes its whole prefix), so one index serves char
+blocks and token blocks alike; seeds keep the two (and every model/salt/tenant scope) apart.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+DEFAULT_LRU_CAPACITY = 31250  # reference lruCapacityPerServer: ~500K tokens / 16 per block
+
+
+class PrefixIndex:
+    """Block hashes per endpoint (by address), bounded by an LRU per endpoint."""
+
+    def __init__(self, default_capacity: int = DEFAULT_LRU_CAPACITY) -> None:
+        if default_capacity < 1:
+            raise ValueError(f"LRU capacity must be >= 1, got {default_capacity}")
+        self.default_capacity = default_capacity
+        self._owners: dict[int, set[str]] = {}
+        self._lrus: dict[str, OrderedDict[int, None]] = {}
+        self._capacities: dict[str, int] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        """Total LRU entries over all endpoints (the reference's indexer size)."""
+        return self._size
+
+    def endpoints(self) -> list[str]:
+        return list(self._lrus)
+
+    def capacity(self, endpoint: str) -> int | None:
+        """The LRU capacity of `endpoint`, or None if it holds nothing yet."""
+        return self._capacities.get(endpoint)
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` each endpoint holds without a gap.
+
+        The walk stops at the first block no endpoint holds (as the reference does); an
+        endpoint stops counting at its own first missing block, since an engine can only reuse
+        an unbroken prefix.
+        """
+        owners_of = self._owners
+        matched: dict[str, int] = {}
+        alive: set[str] | None = None
+        depth = 0
+        for block in hashes:
+            owners = owners_of.get(block)
+            if not owners:
+                break
+            if alive is None:
+                alive = set(owners)
+            elif not alive <= owners:
+                for endpoint in alive - owners:
+                    matched[endpoint] = depth
+                alive &= owners
+                if not alive:
+                    break
+            depth += 1
+        if alive:
+            for endpoint in alive:
+                matched[endpoint] = depth
+        return matched
+
+    def insert(self, endpoint: str, hashes: Sequence[int], capacity: int | None = None) -> None:
+        """Record that `endpoint` now holds every block of `hashes`.
+
+        `capacity` applies when the endpoint's LRU is created (the reference's autoTune sets it
+        from the engine's KV block count then). Blocks are touched last-to-first so the first
+        blocks are the most recent: eviction then drops a prefix's tail before its head, as an
+        engine does, and matches stay unbroken.
+        """
+        lru = self._lrus.get(endpoint)
+        if lru is None:
+            lru = self._lrus[endpoint] = OrderedDict()
+            self._capacities[endpoint] = capacity if capacity and capacity > 0 else self.default_capacity
+        owners_of = self._owners
+        added = 0
+        for block in reversed(hashes):
+            if block in lru:
+                lru.move_to_end(block)
+                continue
+            lru[block] = None
+            added += 1
+            owners = owners_of.get(block)
+            if owners is None:
+                owners_of[block] = {endpoint}
+            else:
+                owners.add(endpoint)
+        self._size += added
+        limit = self._capacities[endpoint]
+        while len(lru) > limit:
+            block, _ = lru.popitem(last=False)
+            self._drop_owner(block, endpoint)
+            self._size -= 1
+
+    def remove(self, endpoints: Iterable[str]) -> None:
+        """Forget everything `endpoints` held (they left the pool)."""
+        for endpoint in endpoints:
+            lru = self._lrus.pop(endpoint, None)
+            self._capacities.pop(endpoint, None)
+            if lru is None:
+                continue
+            for block in lru:
+                self._drop_owner(block, endpoint)
+            self._size -= len(lru)
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        """Forget every endpoint not in `endpoints`."""
+        keep = set(endpoints)
+        self.remove([e for e in self._lrus if e not in keep])
+
+    def _drop_owner(self, block: int, endpoint: str) -> None:
+        owners = self._owners.get(block)
+        if owners is not None:
+            owners.discard(endpoint)
+            if not owners:
+                del self._owners[block]

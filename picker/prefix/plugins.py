@@ -1,0 +1,439 @@
+"""Prefix-cache routing plugins (registered with the scheduling registry on import).
+
+* `approx-prefix-cache-producer` (DataProducer, PreRequest, ResponseComplete): hashes the
+  prompt once per request (token blocks when the model has a tokenizer, else the reference's
+  character blocks), matches it against the approximate index, writes `PrefixMatch` under
+  `PrefixCacheMatchInfo` and `PromptBlocks` under `PromptBlocks`; after the pick it records
+  the prompt at the primary target (and a `prefill` profile's target); when the response ends
+  it learns TTFT rates and counts the value metrics.
+* `prefix-cache-scorer` (no parameters): matched blocks / prompt blocks, as in the reference.
+* `ttft-cost-scorer`: best predicted TTFT / the endpoint's predicted TTFT (see `ttft`).
+
+Tokenizing can take milliseconds, so the producer also has `prepare_async(request,
+candidates)`: the Director awaits it before `Scheduler.schedule`; it tokenizes in a thread
+pool and leaves the result for `prepare`, which otherwise hashes in the calling thread.
+
+Example (`tokenizers` and `ttft-cost-scorer` are the picker's own; reference configs keep their meaning)::
+
+    plugins:
+    - type: approx-prefix-cache-producer
+      parameters: {blockSizeTokens: 16, tokenizers: {llama-3-8b: /models/llama-3-8b, "*": builtin}}
+    - type: prefix-cache-scorer
+    - type: ttft-cost-scorer
+    schedulingProfiles:
+    - name: default
+      plugins: [{pluginRef: prefix-cache-scorer, weight: 3}, {pluginRef: ttft-cost-scorer, weight: 2}]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from picker.datastore.endpoint import Endpoint, EndpointState
+from picker.prefix.chars import CHARS_PER_TOKEN
+from picker.prefix.hotspot import over_bound
+from picker.prefix.index import DEFAULT_LRU_CAPACITY, PrefixIndex
+from picker.prefix.prompt_blocks import TOKENS, BlockSizing, PromptBlocks, PromptHasher
+from picker.prefix.token_cache import DEFAULT_CAPACITY_TOKENS, TokenPrefixCache
+from picker.prefix.tokenizer import PromptTokenizer, load_prompt_tokenizer
+from picker.prefix.ttft import TtftEstimate, TtftModel, TtftPriors, ttft_scores
+from picker.request.model import InferenceRequest, ResponseOutcome
+from picker.scheduling.framework import (
+    CycleState,
+    DataProducer,
+    Handle,
+    PreRequest,
+    ResponseComplete,
+    SchedulingResult,
+    Scorer,
+    ScorerCategory,
+)
+from picker.scheduling.parameters import Parameters
+from picker.scheduling.registry import PluginConfigError, register
+from picker.telemetry.metrics import (
+    PREFIX_EXPECTED_CACHED_TOKENS,
+    PREFIX_EXPECTED_HIT_RATIO,
+    PREFIX_FIRST_BLOCK,
+    PREFIX_INDEXER_HIT_BYTES,
+    PREFIX_INDEXER_HIT_RATIO,
+    PREFIX_INDEXER_SIZE,
+    PREFIX_PROMPT_TOKENS,
+    PREFIX_SAVED_GPU_SECONDS,
+    PREFIX_SAVED_PREFILL_TOKENS,
+)
+
+if TYPE_CHECKING:
+    from picker.datastore.store import Datastore
+
+PREFIX_MATCH_KEY = "PrefixCacheMatchInfo"
+PROMPT_BLOCKS_KEY = "PromptBlocks"
+PREDICTED_TTFT_KEY = "PredictedTTFT"  # {address: TtftEstimate}, for the decision explain log
+_PICK_KEY = "approx-prefix-cache-producer/pick"
+PREFILL_PROFILE = "prefill"
+_PENDING_LIMIT = 4096  # async results awaiting their prepare(); bounded if a cycle never runs
+
+# Objects that outlive config reloads (Handle.persistent keys).
+_INDEX_KEY = "prefix/approx-index"
+TTFT_MODEL_KEY = "prefix/ttft-model"
+_TOKEN_CACHE_KEY = "prefix/token-cache"
+_EXECUTOR_KEY = "prefix/tokenize-executor"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of one request's prompt each candidate holds (the reference's match info).
+
+    `matched` is the raw match; endpoints in `over_bound` lost their affinity to the load bound
+    and count as holding nothing.
+    """
+
+    blocks: PromptBlocks
+    matched: Mapping[str, int]
+    over_bound: frozenset[str] = frozenset()
+
+    @property
+    def total_blocks(self) -> int:
+        return len(self.blocks.hashes)
+
+    def matched_blocks(self, address: str) -> int:
+        """Blocks that count for affinity: none at an endpoint past the load bound."""
+        return 0 if address in self.over_bound else self.matched.get(address, 0)
+
+    def cached_tokens(self, address: str) -> int:
+        """Prompt tokens expected cached at `address`, load bound or not (the engine still has
+        them). For token blocks as the engine counts them: full blocks only, and never the
+        prompt's last token (vLLM always computes at least one); for characters an estimate."""
+        blocks = self.blocks
+        matched = self.matched.get(address, 0)
+        if blocks.kind == TOKENS:
+            return min(matched, max(0, blocks.prompt_tokens - 1) // blocks.block_tokens) * blocks.block_tokens
+        return min(blocks.prompt_tokens, matched * blocks.block_tokens)
+
+    def score(self, address: str) -> float:
+        total = self.total_blocks
+        return self.matched_blocks(address) / total if total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixConfig:
+    """The producer's parameters (reference names, plus the picker's own)."""
+
+    auto_tune: bool = True
+    block_size_tokens: int = 16
+    max_prefix_blocks: int = 256
+    max_prefix_tokens: int = 0
+    lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY
+    max_token_blocks: int = 4096
+    max_load_factor: float = 2.0
+    tokenizers: Mapping[str, str] = field(default_factory=dict)
+    token_cache_tokens: int = DEFAULT_CAPACITY_TOKENS
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> PrefixConfig:
+        p = Parameters(raw)
+        auto_tune = p.boolean("autoTune", True)
+        block_size_tokens = p.integer("blockSizeTokens", 0, at_least=1)
+        if p.integer("blockSize", 0, at_least=1) and not block_size_tokens:
+            raise PluginConfigError("blockSize: deprecated (characters); set blockSizeTokens instead")
+        config = cls(
+            auto_tune=auto_tune,
+            block_size_tokens=block_size_tokens or 16,
+            max_prefix_blocks=p.integer("maxPrefixBlocksToMatch", 256, at_least=1),
+            max_prefix_tokens=p.integer("maxPrefixTokensToMatch", 0, at_least=0),
+            lru_capacity_per_server=p.integer("lruCapacityPerServer", DEFAULT_LRU_CAPACITY, at_least=1),
+            max_token_blocks=p.integer("maxTokenBlocksToMatch", 4096, at_least=1),
+            max_load_factor=p.number("maxLoadFactor", 2.0, at_least=0),
+            tokenizers=_tokenizer_specs(p.mapping("tokenizers")),
+            token_cache_tokens=p.integer("tokenCacheTokens", DEFAULT_CAPACITY_TOKENS, at_least=1),
+        )
+        p.finish()
+        return config
+
+    def sizing(self, candidates: Sequence[EndpointState]) -> BlockSizing:
+        """Block sizes for one request: with autoTune, the first candidate's engine block size."""
+        block = self.block_size_tokens
+        if self.auto_tune:
+            for candidate in candidates:
+                if candidate.metrics.cache_block_size > 0:
+                    block = candidate.metrics.cache_block_size
+                    break
+        max_chars = self.max_prefix_tokens // block if self.max_prefix_tokens > 0 else self.max_prefix_blocks
+        max_tokens = self.max_prefix_tokens // block if self.max_prefix_tokens > 0 else self.max_token_blocks
+        return BlockSizing(block, max(1, max_chars), block, max(1, max_tokens))
+
+
+def _tokenizer_specs(raw: Mapping[str, Any]) -> dict[str, str]:
+    specs: dict[str, str] = {}
+    for model, spec in raw.items():
+        if not isinstance(spec, str) or not spec:
+            raise PluginConfigError(
+                f'tokenizers.{model}: must be "builtin" or a tokenizer directory, got {spec!r}'
+            )
+        specs[str(model)] = spec
+    return specs
+
+
+class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
+    """`approx-prefix-cache-producer`: see the module docstring.
+
+    Reference parameters: `autoTune` (true: block size from the first candidate's engine
+    block size, LRU capacity from each endpoint's KV block count), `blockSizeTokens` (16),
+    `maxPrefixBlocksToMatch` (256), `maxPrefixTokensToMatch` (overrides it when > 0),
+    `lruCapacityPerServer` (31250); `blockSize` (deprecated) is an error without
+    `blockSizeTokens`. The picker's own:
+
+    - `tokenizers`: model (or LoRA adapter) name → `builtin` or a local tokenizer directory;
+      the key `*` applies to every other model. Those models hash token blocks.
+    - `maxTokenBlocksToMatch` (4096): the cap for token blocks (`maxPrefixTokensToMatch`
+      also applies when set).
+    - `maxLoadFactor` (2.0; 0 turns it off): the hot-spot bound (`picker.prefix.hotspot`).
+    - `tokenCacheTokens` (4,000,000): capacity of the tokenized-prefix cache.
+    """
+
+    plugin_type = "approx-prefix-cache-producer"
+    produces = frozenset({PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY})
+
+    def __init__(
+        self,
+        name: str,
+        config: PrefixConfig,
+        index: PrefixIndex,
+        hasher: PromptHasher,
+        ttft: TtftModel,
+    ) -> None:
+        super().__init__(name)
+        self.config = config
+        self.index = index
+        self.hasher = hasher
+        self.ttft = ttft
+        self._pending: OrderedDict[str, PromptBlocks | None] = OrderedDict()
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
+        config = PrefixConfig.parse(parameters)
+        tokenizers: dict[str, PromptTokenizer] = {}
+        for model, spec in config.tokenizers.items():
+            try:
+                tokenizers[model] = handle.persistent(
+                    f"prefix/tokenizer:{spec}",
+                    lambda spec=spec: load_prompt_tokenizer(spec),
+                )
+            except ValueError as error:
+                raise PluginConfigError(f"tokenizers.{model}: {error}") from None
+        index = handle.persistent(
+            f"{_INDEX_KEY}:{config.lru_capacity_per_server}",
+            lambda: PrefixIndex(config.lru_capacity_per_server),
+        )
+        ttft = handle.persistent(TTFT_MODEL_KEY, TtftModel)
+        datastore = handle.datastore
+        if datastore is not None:
+            handle.persistent(
+                f"{_INDEX_KEY}:{config.lru_capacity_per_server}/listener",
+                lambda: _forget_departed(datastore, index, ttft),
+            )
+        cache = handle.persistent(
+            f"{_TOKEN_CACHE_KEY}:{config.token_cache_tokens}",
+            lambda: TokenPrefixCache(config.token_cache_tokens),
+        )
+        executor = handle.persistent(
+            _EXECUTOR_KEY,
+            lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
+        )
+        return cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft)
+
+    # -- request path ----------------------------------------------------------------------
+
+    async def prepare_async(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+        """Tokenize off the event loop ahead of `prepare` (a no-op when nothing is tokenized)."""
+        if not self.hasher.needs_tokenizing(request):
+            return
+        blocks = await self.hasher.hash_async(request, self.config.sizing(candidates))
+        self._pending[request.request_id] = blocks
+        while len(self._pending) > _PENDING_LIMIT:
+            self._pending.popitem(last=False)
+
+    def prepare(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState,
+    ) -> None:
+        if request.request_id in self._pending:
+            blocks = self._pending.pop(request.request_id)
+        else:
+            blocks = self.hasher.hash(request, self.config.sizing(candidates))
+        if blocks is None:
+            return
+        cycle_state[PROMPT_BLOCKS_KEY] = blocks
+        matched = self.index.match(blocks.hashes)
+        bounded = over_bound(candidates, self.config.max_load_factor)
+        over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
+        match = PrefixMatch(blocks, matched, over)
+        cycle_state[PREFIX_MATCH_KEY] = match
+        if blocks.hashes:
+            best = max((matched.get(c.address, 0) for c in candidates), default=0)
+            PREFIX_INDEXER_HIT_RATIO.observe(best / len(blocks.hashes))
+            PREFIX_INDEXER_HIT_BYTES.observe(best * blocks.block_tokens * CHARS_PER_TOKEN)
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        match = result.cycle_state.get(PREFIX_MATCH_KEY)
+        if not isinstance(match, PrefixMatch) or not result.targets:
+            return
+        blocks = match.blocks
+        target = result.targets[0]
+        PREFIX_FIRST_BLOCK.labels(
+            request.target_model,
+            request.tenant or "",
+            "true" if match.matched else "false",
+        ).inc()
+        expected = match.cached_tokens(target.address)
+        if blocks.prompt_tokens:
+            PREFIX_EXPECTED_HIT_RATIO.labels(request.target_model, target.address).observe(
+                expected / blocks.prompt_tokens
+            )
+        # Remember what was expected at pick time; the response teaches the TTFT model.
+        work_ahead = self.ttft.work_ahead(target)
+        result.cycle_state[_PICK_KEY] = (target.address, expected, work_ahead)
+        self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
+        targets = [target]
+        prefill = result.profile_results.get(PREFILL_PROFILE)
+        if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
+            targets.append(prefill.targets[0])
+        for state in targets:
+            self.index.insert(state.address, blocks.hashes, self._capacity(state))
+        PREFIX_INDEXER_SIZE.set(len(self.index))
+
+    def response_complete(
+        self,
+        request: InferenceRequest,
+        result: SchedulingResult,
+        outcome: ResponseOutcome,
+    ) -> None:
+        pick = result.cycle_state.get(_PICK_KEY)
+        usage = outcome.usage
+        if pick is None or usage is None or usage.prompt_tokens <= 0:
+            return
+        address, expected, work_ahead = pick
+        if outcome.endpoint and outcome.endpoint != address:
+            return  # served elsewhere (a fallback): nothing to compare or learn
+        model = request.target_model
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        PREFIX_PROMPT_TOKENS.labels(model, address).inc(usage.prompt_tokens)
+        PREFIX_EXPECTED_CACHED_TOKENS.labels(model, address).inc(min(expected, usage.prompt_tokens))
+        PREFIX_SAVED_PREFILL_TOKENS.labels(model, address).inc(cached)
+        PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(
+            cached / self.ttft.rates(address).prefill_tokens_per_second
+        )
+        if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
+            self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
+
+    def _capacity(self, state: EndpointState) -> int | None:
+        if self.config.auto_tune and state.metrics.cache_num_blocks > 0:
+            return state.metrics.cache_num_blocks
+        return None
+
+
+def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) -> bool:
+    """Make `index` and `ttft` forget endpoints as they leave the pool (registered once)."""
+
+    def forget(old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
+        departed = old.keys() - new.keys()
+        if departed:
+            index.remove(departed)
+            ttft.forget(departed)
+            PREFIX_INDEXER_SIZE.set(len(index))
+
+    datastore.add_listener(forget)
+    return True
+
+
+class PrefixCacheScorer(Scorer):
+    """`prefix-cache-scorer`: matched blocks / prompt blocks from the producer; 0 without it."""
+
+    plugin_type = "prefix-cache-scorer"
+    category = ScorerCategory.AFFINITY
+    consumes = frozenset({PREFIX_MATCH_KEY})
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PrefixCacheScorer:
+        Parameters(parameters).finish()
+        return cls(name)
+
+    def score(
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        candidates: Sequence[EndpointState],
+    ) -> Sequence[float]:
+        match = cycle_state.get(PREFIX_MATCH_KEY)
+        if not isinstance(match, PrefixMatch):
+            return [0.0] * len(candidates)
+        return [match.score(c.address) for c in candidates]
+
+
+class TtftCostScorer(Scorer):
+    """`ttft-cost-scorer`: predicted time to first token, queue wait plus uncached prefill.
+
+    Parameters: `prefillTokensPerSecond` (5000), `drainTokensPerSecond` (5000),
+    `overheadSeconds` (0.01), `typicalPromptTokens` (512), `ewmaAlpha` (0.2): the priors the
+    shared model starts every endpoint from before it has learnt its rates.
+    """
+
+    plugin_type = "ttft-cost-scorer"
+    category = ScorerCategory.BALANCE
+    consumes = frozenset({PREFIX_MATCH_KEY})
+
+    def __init__(self, name: str, model: TtftModel) -> None:
+        super().__init__(name)
+        self.model = model
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> TtftCostScorer:
+        p = Parameters(parameters)
+        defaults = TtftPriors()
+        priors = TtftPriors(
+            prefill_tokens_per_second=p.number(
+                "prefillTokensPerSecond", defaults.prefill_tokens_per_second, above=0
+            ),
+            drain_tokens_per_second=p.number(
+                "drainTokensPerSecond", defaults.drain_tokens_per_second, above=0
+            ),
+            overhead_seconds=p.number("overheadSeconds", defaults.overhead_seconds, at_least=0),
+            typical_prompt_tokens=p.number("typicalPromptTokens", defaults.typical_prompt_tokens, at_least=0),
+            ewma_alpha=p.number("ewmaAlpha", defaults.ewma_alpha, above=0, at_most=1),
+        )
+        p.finish()
+        model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
+        model.set_priors(priors)
+        return cls(name, model)
+
+    def score(
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        candidates: Sequence[EndpointState],
+    ) -> Sequence[float]:
+        match = cycle_state.get(PREFIX_MATCH_KEY)
+        if isinstance(match, PrefixMatch):
+            prompt_tokens = match.blocks.prompt_tokens
+            cached = [match.cached_tokens(c.address) for c in candidates]
+        else:
+            prompt_tokens = request.estimated_prompt_tokens()
+            cached = [0] * len(candidates)
+        estimates = [self.model.estimate(c, prompt_tokens, hit) for c, hit in zip(candidates, cached)]
+        predicted: dict[str, TtftEstimate] = cycle_state.setdefault(PREDICTED_TTFT_KEY, {})
+        predicted.update((c.address, e) for c, e in zip(candidates, estimates))
+        return ttft_scores(estimates)
+
+
+register(
+    ApproxPrefixCacheProducer.plugin_type,
+    ApproxPrefixCacheProducer.create,
+    default_producer_for=frozenset({PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY}),
+)
+register(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create)
+register(TtftCostScorer.plugin_type, TtftCostScorer.create)

@@ -1,0 +1,507 @@
+"""The precise prefix index: which endpoint caches which block, learnt from the engines' KV events.
+
+Keys are the picker's own block hashes (`picker.prefix.hashing`), so a request's block hashes
+can be looked up directly and the engine's hash algorithm or seed never matters. Each
+endpoint's engine hashes are mapped onto own keys through the token ids `BlockStored` carries:
+the event's tokens are re-chunked at the picker's block size and the own chain is continued
+from the own key of the event's `parent_block_hash` (or from the scope seed for a chain's
+first block). Engine and picker block sizes may differ: an engine block then maps to the own
+blocks it covers, and a partial own block at an event's end is carried in the engine block's
+"tail" until a child event completes it.
+
+Scopes. An event carries the LoRA name but neither the request's `cache_salt` nor the
+picker's tenant. A chain's first block is therefore placed under, in order of preference:
+1. a scope hint recorded at pick time (`record_scope`): the request's scoped seed, keyed by
+   (endpoint, first block's key under the plain model seed);
+2. a cache salt found in the first block's `extra_keys` (vLLM puts `cache_salt` there);
+3. the plain seed `chain_seed(lora_name or model)`.
+Every later block follows its parent's own key, so the whole chain stays in the first
+block's scope.
+
+Tiers: a block can be on the GPU, on CPU (offloaded), and "speculative" (inserted after a pick,
+counted as GPU until `speculative_ttl` passes without a confirming event).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from picker.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from picker.prefix.hashing import chain_seed, token_block_hashes
+
+GPU, CPU, SPECULATIVE = 1, 2, 4
+_NOBODY: frozenset[str] = frozenset()
+_FULL_ATTENTION_KINDS = (None, "full_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class TierWeights:
+    """How much a cached block counts, by where it is (a block on several tiers counts its best)."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+
+    def weight(self, tiers: int) -> float:
+        best = 0.0
+        if tiers & (GPU | SPECULATIVE):
+            best = self.gpu
+        if tiers & CPU and self.cpu > best:
+            best = self.cpu
+        return best
+
+
+def tier_of(medium: str | None) -> int:
+    """The tier bit of an event's `medium`: nil or "GPU" is the GPU, anything else offloaded (CPU)."""
+    if medium is None or medium.lower() in ("gpu", "cuda"):
+        return GPU
+    return CPU
+
+
+@lru_cache(maxsize=4096)
+def _seed(model: str, cache_salt: str | None, tenant: str | None) -> int:
+    return chain_seed(model, cache_salt, tenant)
+
+
+@dataclass(slots=True)
+class _EngineBlock:
+    """One engine block of one endpoint: the own keys it completes and the own chain after it."""
+
+    own_keys: list[int]
+    tiers: int
+    tail_parent: int  # own key the next own block chains from
+    tail_tokens: tuple[int, ...]  # tokens after the last complete own block (empty if sizes match)
+    tail_engine: tuple[int, ...]  # engine blocks whose tokens are in tail_tokens
+
+
+class _EndpointCache:
+    """What the index knows about one endpoint."""
+
+    __slots__ = ("capacity", "engine", "groups", "known", "model", "speculative", "tiers")
+
+    def __init__(self, model: str, capacity: int) -> None:
+        self.model = model
+        self.capacity = capacity
+        self.known = True
+        self.tiers: dict[int, int] = {}  # own key -> tier bits; insertion order = oldest first
+        self.engine: dict[int, _EngineBlock] = {}  # engine hash -> mapping
+        self.speculative: dict[int, float] = {}  # own key -> expiry (monotonic seconds)
+        self.groups: set[int | None] = set()  # KV-cache groups seen in BlockStored
+
+
+class PreciseIndex:
+    """Own block key -> {endpoint: tier weight}, fed by KV events, scored by longest prefix.
+
+    Not thread-safe: the KV-event subscriber and the request path share one event loop.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        weights: TierWeights = TierWeights(),
+        speculative_ttl: float = 2.0,
+        default_capacity: int = 200_000,
+        max_scope_hints: int = 65_536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if default_capacity <= 0:
+            raise ValueError("default_capacity must be positive")
+        self.block_size = block_size
+        self.weights = weights
+        self.speculative_ttl = speculative_ttl
+        self.default_capacity = default_capacity
+        self._max_scope_hints = max_scope_hints
+        self._clock = clock
+        self._top = max(weights.gpu, weights.cpu)
+        # own key -> (endpoints holding it, {endpoint: weight} for those below the top weight or
+        # None). Holder sets are interned so runs of blocks with the same holders compare by identity.
+        self._where: dict[int, tuple[frozenset[str], dict[str, float] | None]] = {}
+        self._holder_sets: dict[frozenset[str], frozenset[str]] = {}
+        self._caches: dict[str, _EndpointCache] = {}
+        self._expiries: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._scope_hints: dict[tuple[str, int], int] = {}
+
+    # -- endpoints -----------------------------------------------------------------------------
+
+    def track(self, endpoint: str, model: str = "", capacity: int | None = None) -> None:
+        """Start (or update) tracking `endpoint`; `model` seeds chains of blocks without a LoRA."""
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            self._caches[endpoint] = _EndpointCache(model, capacity or self.default_capacity)
+            return
+        cache.model = model
+        if capacity:
+            self.set_capacity(endpoint, capacity)
+
+    def set_capacity(self, endpoint: str, blocks: int) -> None:
+        """Bound the own keys kept for `endpoint` (e.g. 2 x its GPU blocks); oldest go first."""
+        cache = self._caches.get(endpoint)
+        if cache is None or blocks <= 0 or blocks == cache.capacity:
+            return
+        cache.capacity = blocks
+        self._enforce_capacity(endpoint, cache)
+
+    def forget(self, endpoint: str) -> None:
+        """Drop everything about an endpoint that left the pool."""
+        cache = self._caches.pop(endpoint, None)
+        if cache is not None:
+            self._drop_all(endpoint, cache)
+        for hint in [h for h in self._scope_hints if h[0] == endpoint]:
+            del self._scope_hints[hint]
+
+    def reset(self, endpoint: str) -> None:
+        """The endpoint's cache is empty and fully known (AllBlocksCleared, engine restart)."""
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            return
+        self._drop_all(endpoint, cache)
+        cache.known = True
+
+    def mark_unknown(self, endpoint: str) -> None:
+        """Events were lost: exclude the endpoint from scoring until `reset` rebuilds it.
+
+        Its entries are dropped, as removals may have been missed. Later events still apply,
+        harmlessly: only `reset` (AllBlocksCleared, a new engine) makes the state known again.
+        """
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            return
+        self._drop_all(endpoint, cache)
+        cache.known = False
+
+    def is_known(self, endpoint: str) -> bool:
+        cache = self._caches.get(endpoint)
+        return cache is not None and cache.known
+
+    def endpoints(self) -> list[str]:
+        return list(self._caches)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def apply(self, endpoint: str, event: KVEvent) -> None:
+        """Apply one decoded KV event of `endpoint` (which must be tracked; others are ignored)."""
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            return
+        if isinstance(event, BlockStored):
+            self._stored(endpoint, cache, event)
+        elif isinstance(event, BlockRemoved):
+            self._removed(endpoint, cache, event)
+        elif isinstance(event, AllBlocksCleared):
+            self.reset(endpoint)
+
+    def _stored(self, endpoint: str, cache: _EndpointCache, event: BlockStored) -> None:
+        if event.kv_cache_spec_kind not in _FULL_ATTENTION_KINDS:
+            return  # sliding-window / mamba groups do not hold reusable prefixes
+        cache.groups.add(event.group_idx)
+        tier = tier_of(event.medium)
+        engine = cache.engine
+        hashes = event.block_hashes
+        size = event.block_size
+        if len(event.token_ids) < len(hashes) * size:
+            # An offload event (e.g. GPU -> CPU) names blocks already known, without tokens.
+            for h in hashes:
+                block = engine.get(h)
+                if block is not None:
+                    block.tiers |= tier
+                    for key in block.own_keys:
+                        self._add(endpoint, cache, key, tier)
+            return
+        if event.parent_block_hash is None:
+            parent_own = self._first_block_seed(endpoint, cache, event)
+            tail_tokens: tuple[int, ...] = ()
+            tail_engine: tuple[int, ...] = ()
+        else:
+            parent = engine.get(event.parent_block_hash)
+            if parent is None:
+                return  # its chain was never seen (joined mid-stream): placing it would be a guess
+            parent_own, tail_tokens, tail_engine = parent.tail_parent, parent.tail_tokens, parent.tail_engine
+        own_size = self.block_size
+        base = len(tail_tokens)
+        tokens = event.token_ids[: len(hashes) * size]
+        if base:
+            tokens = tail_tokens + tokens
+        own = token_block_hashes(tokens, own_size, parent_own)
+        if base and own:  # the first own block also covers the parent's tail blocks
+            for h in tail_engine:
+                block = engine.get(h)
+                if block is not None and own[0] not in block.own_keys:
+                    block.own_keys.append(own[0])
+        for i, h in enumerate(hashes):
+            start = base + i * size
+            end = start + size
+            keys = own[start // own_size : min((end - 1) // own_size + 1, len(own))]
+            complete = end // own_size
+            tail_start = complete * own_size
+            if tail_start >= end:
+                block_tail: tuple[int, ...] = ()
+                block_tail_engine: tuple[int, ...] = ()
+            elif tail_start < base:
+                block_tail = tokens[tail_start:end]
+                block_tail_engine = tail_engine + hashes[: i + 1]
+            else:
+                block_tail = tokens[tail_start:end]
+                block_tail_engine = hashes[(tail_start - base) // size : i + 1]
+            previous = engine.pop(h, None)
+            if previous is not None:
+                for key in previous.own_keys:
+                    if key not in keys:
+                        self._remove(endpoint, cache, key, previous.tiers)
+            engine[h] = _EngineBlock(
+                list(keys),
+                tier | (previous.tiers if previous is not None else 0),
+                own[complete - 1] if complete else parent_own,
+                block_tail,
+                block_tail_engine,
+            )
+            for key in keys:
+                self._add(endpoint, cache, key, tier)
+        if len(engine) > 2 * cache.capacity:  # removals were lost: drop the oldest mappings
+            for h in list(engine)[: len(engine) - 2 * cache.capacity]:
+                del engine[h]
+
+    def _first_block_seed(self, endpoint: str, cache: _EndpointCache, event: BlockStored) -> int:
+        scope = event.lora_name or cache.model
+        plain = _seed(scope, None, None)
+        if self._scope_hints and len(event.token_ids) >= self.block_size:
+            first_key = self._first_key(event.token_ids, plain)
+            hinted = self._scope_hints.get((endpoint, first_key))
+            if hinted is not None:
+                return hinted
+        salt = _salt(event.extra_keys, event.lora_name)
+        return plain if salt is None else _seed(scope, salt, None)
+
+    def _first_key(self, token_ids: Sequence[int], seed: int) -> int:
+        """The own key of the first block of `token_ids` (which must hold a full block)."""
+        return token_block_hashes(token_ids[: self.block_size], self.block_size, seed)[0]
+
+    def _removed(self, endpoint: str, cache: _EndpointCache, event: BlockRemoved) -> None:
+        if event.group_idx is not None and event.group_idx not in cache.groups:
+            return
+        tier = tier_of(event.medium)
+        if tier == GPU:
+            tier |= SPECULATIVE  # an eviction overrides a prediction
+        engine = cache.engine
+        for h in event.block_hashes:
+            block = engine.get(h)
+            if block is None:
+                continue
+            block.tiers &= ~tier
+            if not block.tiers:
+                del engine[h]
+            for key in block.own_keys:
+                self._remove(endpoint, cache, key, tier)
+
+    # -- request path --------------------------------------------------------------------------
+
+    def score(self, block_hashes: Sequence[int], endpoints: Sequence[str]) -> list[float]:
+        """Per endpoint (in order): tier-weighted length of its longest cached prefix of
+        `block_hashes` (own keys at `block_size`) divided by the number of blocks.
+
+        Endpoints that are untracked or whose state is unknown score 0.
+        """
+        total = len(block_hashes)
+        if not total or not endpoints:
+            return [0.0] * len(endpoints)
+        self._expire(self._clock())
+        caches = self._caches
+        active: set[str] = set()
+        for e in endpoints:
+            cache = caches.get(e)
+            if cache is not None and cache.known:
+                active.add(e)
+        if not active:
+            return [0.0] * len(endpoints)
+        where = self._where
+        top = self._top
+        matched: dict[str, int] = {}
+        deficit: dict[str, float] = {}
+        position = 0
+        previous: frozenset[str] | None = None
+        for key in block_hashes:
+            entry = where.get(key)
+            if entry is None:
+                break
+            holders, below_top = entry
+            if holders is not previous:  # the same interned set as the last block: nothing drops out
+                if not holders >= active:
+                    still = active & holders
+                    for e in active - still:
+                        matched[e] = position
+                    active = still
+                    if not active:
+                        break
+                previous = holders
+            if below_top is not None:
+                for e, w in below_top.items():
+                    if e in active:
+                        deficit[e] = deficit.get(e, 0.0) + top - w
+            position += 1
+        for e in active:
+            matched[e] = position
+        return [(matched.get(e, 0) * top - deficit.get(e, 0.0)) / total for e in endpoints]
+
+    def insert_speculative(self, endpoint: str, block_hashes: Sequence[int]) -> None:
+        """Predict that `endpoint` will cache `block_hashes` (the pick just sent them there);
+        the prediction counts as GPU until `speculative_ttl` unless an event confirms it."""
+        if not block_hashes or self.speculative_ttl <= 0:
+            return
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            return
+        now = self._clock()
+        self._expire(now)
+        deadline = now + self.speculative_ttl
+        speculative = cache.speculative
+        for key in block_hashes:
+            speculative[key] = deadline
+            self._add(endpoint, cache, key, SPECULATIVE)
+        self._expiries.append((deadline, endpoint, tuple(block_hashes)))
+
+    def record_scope(
+        self,
+        endpoint: str,
+        token_ids: Sequence[int],
+        model: str,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Remember that a request in scope (model, cache_salt, tenant) starting with `token_ids`
+        went to `endpoint`, so the engine's coming `BlockStored` for that chain (which carries
+        no salt or tenant) is keyed in the request's scope. A no-op for the plain scope."""
+        if (cache_salt is None and tenant is None) or len(token_ids) < self.block_size:
+            return
+        plain_key = self._first_key(token_ids, _seed(model, None, None))
+        hints = self._scope_hints
+        hints.pop((endpoint, plain_key), None)
+        hints[(endpoint, plain_key)] = _seed(model, cache_salt, tenant)
+        if len(hints) > self._max_scope_hints:
+            del hints[next(iter(hints))]
+
+    # -- introspection (tests, debugging) ------------------------------------------------------
+
+    def engine_hashes(self, endpoint: str, tier: int = GPU) -> set[int]:
+        """Engine block hashes the endpoint holds on `tier`, as the events told."""
+        cache = self._caches.get(endpoint)
+        if cache is None:
+            return set()
+        return {h for h, block in cache.engine.items() if block.tiers & tier}
+
+    def own_keys(self, endpoint: str) -> dict[int, int]:
+        """Own key -> tier bits for `endpoint`."""
+        cache = self._caches.get(endpoint)
+        return dict(cache.tiers) if cache is not None else {}
+
+    def __len__(self) -> int:
+        """Distinct own keys held by any endpoint."""
+        return len(self._where)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _add(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
+        old = cache.tiers.pop(key, 0)
+        cache.tiers[key] = tiers = old | tier  # re-inserted: newest last
+        if tiers != old:
+            self._publish(endpoint, key, tiers)
+        if len(cache.tiers) > cache.capacity:
+            self._enforce_capacity(endpoint, cache)
+
+    def _remove(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
+        tiers = cache.tiers.get(key)
+        if tiers is None or not tiers & tier:
+            return
+        tiers &= ~tier
+        if tier & SPECULATIVE:
+            cache.speculative.pop(key, None)
+        if tiers:
+            cache.tiers[key] = tiers
+        else:
+            del cache.tiers[key]
+        self._publish(endpoint, key, tiers)
+
+    def _publish(self, endpoint: str, key: int, tiers: int) -> None:
+        """Make `_where` say `endpoint` holds `key` on `tiers` (0 = not at all)."""
+        where = self._where
+        holders, below_top = where.get(key, (_NOBODY, None))
+        if tiers:
+            if endpoint not in holders:
+                holders = self._intern(holders | {endpoint})
+            w = self.weights.weight(tiers)
+            if w < self._top:
+                below_top = below_top or {}
+                below_top[endpoint] = w
+            elif below_top is not None and below_top.pop(endpoint, None) is not None and not below_top:
+                below_top = None
+        else:
+            if endpoint not in holders:
+                return
+            holders = self._intern(holders - {endpoint})
+            if not holders:
+                del where[key]
+                return
+            if below_top is not None and below_top.pop(endpoint, None) is not None and not below_top:
+                below_top = None
+        where[key] = (holders, below_top)
+
+    def _intern(self, holders: frozenset[str]) -> frozenset[str]:
+        interned = self._holder_sets
+        found = interned.get(holders)
+        if found is None:
+            if len(interned) >= 4096:  # only an optimisation: start over rather than grow
+                interned.clear()
+            found = interned[holders] = holders
+        return found
+
+    def _enforce_capacity(self, endpoint: str, cache: _EndpointCache) -> None:
+        tiers = cache.tiers
+        while len(tiers) > cache.capacity:
+            key = next(iter(tiers))
+            del tiers[key]
+            cache.speculative.pop(key, None)
+            self._publish(endpoint, key, 0)
+
+    def _drop_all(self, endpoint: str, cache: _EndpointCache) -> None:
+        for key in cache.tiers:
+            self._publish(endpoint, key, 0)
+        cache.tiers.clear()
+        cache.engine.clear()
+        cache.speculative.clear()
+        cache.groups.clear()
+
+    def _expire(self, now: float) -> None:
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, endpoint, keys = expiries.popleft()
+            cache = self._caches.get(endpoint)
+            if cache is None:
+                continue
+            speculative = cache.speculative
+            for key in keys:
+                deadline = speculative.get(key)
+                if deadline is not None and deadline <= now:
+                    self._remove(endpoint, cache, key, SPECULATIVE)
+
+
+def _salt(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:
+    """The cache salt in the first block's extra keys: its last string other than the LoRA name.
+
+    vLLM builds a block's extra keys as LoRA name, multimodal identifiers, then `cache_salt`
+    (first block only); with multimodal input the last string could be an image id, which a
+    pick-time scope hint then overrides.
+    """
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if isinstance(first, str):
+        return None if first == lora_name else first
+    if isinstance(first, (list, tuple)):
+        for item in reversed(first):
+            if isinstance(item, str) and item != lora_name:
+                return item
+    return None

@@ -1,0 +1,43 @@
+"""`picker sim`: vLLM-compatible simulated model servers for tests and benchmarks.
+
+One process (one asyncio loop) serves many simulated pods. Each pod has vLLM's HTTP API and
+metrics, a paged KV cache with automatic prefix caching whose hits really shorten time to first
+token, and optionally a vLLM-style ZMQ KV-event publisher.
+
+Library use (inside a test's event loop)::
+
+    from picker.sim import Fleet, FleetConfig
+
+    fleet = Fleet(FleetConfig(pods=4, profile="tiny", time_scale=10, kv_events_base_port=0))
+    await fleet.start()
+    try:
+        pod = fleet.pods[0]
+        pod.address              # "127.0.0.1:PORT" (base_port=0 picks free ports)
+        pod.url                  # "http://127.0.0.1:PORT"
+        pod.kv_events_endpoint   # "tcp://127.0.0.1:Q" (None without kv_events_base_port)
+        pod.faults.error_rate = 0.5               # or POST /sim/fault {"error_rate": 0.5}
+        await pod.crash(); await pod.restart()    # cache cleared, AllBlocksCleared published
+        sorted(pod.engine.cache.refs)             # the pod's cached block hashes
+    finally:
+        await fleet.stop()
+
+`Fleet` is also an async context manager. Modules: `tokenizer` (built-in word-level tokenizer and
+chat template, importable by the router side), `kvcache` (block pool, chained block hashes, KV
+events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
+`events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["Fleet", "FleetConfig", "Faults", "Pod"]
+_HOMES = {"Fleet": "picker.sim.fleet", "FleetConfig": "picker.sim.fleet", "Faults": "picker.sim.faults", "Pod": "picker.sim.pod"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `from picker.sim.tokenizer import encode` does not import aiohttp and zmq.
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'picker.sim' has no attribute {name!r}")

@@ -1,0 +1,137 @@
+"""`precise-prefix-cache-scorer` loaded from an EndpointPickerConfig, fed by real ZMQ publishers."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from picker.config.runtime import RuntimeHolder
+from picker.datastore.endpoint import Endpoint, EndpointMetrics
+from picker.datastore.store import Datastore
+from picker.kvevents.decode import BlockStored
+from picker.kvevents.plugins import PreciseConfig, PreciseScorer
+from picker.prefix.hashing import chain_seed, token_block_hashes
+from picker.request.model import Api, InferenceRequest
+from picker.scheduling.registry import PluginConfigError
+from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+MODEL = "m"
+
+
+def config(block_size: int = 4, ttl: str = "2s") -> str:
+    return HEADER + f"""
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters: {{kvEventsPort: null, modelName: {MODEL}, blockSizeTokens: {block_size}, speculativeTTL: {ttl}}}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins: [{{pluginRef: precise-prefix-cache-scorer}}, {{pluginRef: max-score-picker}}]
+"""
+
+
+def request(tokens: list[int], rid: str, salt: str | None = None) -> InferenceRequest:
+    return InferenceRequest(rid, Api.COMPLETIONS, MODEL, MODEL, prompt_token_ids=tuple(tokens), cache_salt=salt)
+
+
+def stored(tokens: list[int], size: int = 4) -> BlockStored:
+    return BlockStored(tuple(token_block_hashes(tokens, size, 5)), None, tuple(tokens), size)
+
+
+PROMPT = list(range(1, 41))
+
+
+async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -> None:
+    ctx = zmq.asyncio.Context()
+    publishers = [Publisher(ctx), Publisher(ctx)]
+    datastore = Datastore()
+    endpoints = [Endpoint(HOST, 9000 + i, kv_events_address=p.address) for i, p in enumerate(publishers)]
+    datastore.set_endpoints(endpoints)
+    for e in endpoints:
+        datastore.set_metrics(e.address, EndpointMetrics(cache_block_size=16, cache_num_blocks=100))
+    holder = RuntimeHolder(datastore)
+    runtime = holder.load_text(config())
+    scorer = runtime.plugins["precise-prefix-cache-scorer"]
+    assert isinstance(scorer, PreciseScorer)
+    try:
+        first = request(PROMPT, "r1")
+        runtime.scheduler.schedule(first, datastore.snapshot())  # starts the subscriber lazily
+        for p in publishers:
+            await p.subscribed()
+        publishers[1].publish(stored(PROMPT[:32]))
+        await until(lambda: scorer.index.score(token_block_hashes(PROMPT, 4, chain_seed(MODEL)), [endpoints[1].address])[0] == 0.8)
+        result = runtime.scheduler.schedule(request(PROMPT, "r2"), datastore.snapshot())
+        assert result.targets[0].address == endpoints[1].address
+        assert result.profile_results["default"].scores[scorer.name] == [0.0, 0.8]
+        assert scorer.index.own_keys(endpoints[0].address) == {}
+        assert scorer.runtime.index.own_keys(endpoints[1].address)  # capacity auto-tuned, entries kept
+
+        # After a pick the target is predicted to hold the whole prompt (speculative entries).
+        other = list(range(100, 140))
+        picked = runtime.scheduler.schedule(request(other, "r3"), datastore.snapshot())
+        runtime.pre_request(request(other, "r3"), picked)
+        again = runtime.scheduler.schedule(request(other, "r4"), datastore.snapshot())
+        target = picked.targets[0].address
+        scores = dict(zip((c.address for c in again.profile_results["default"].candidates),
+                          again.profile_results["default"].scores[scorer.name]))
+        assert scores[target] == 1.0 and again.targets[0].address == target
+
+        # A reload with the same parameters keeps the warm index; changed ones replace it.
+        assert holder.load_text(config()).plugins["precise-prefix-cache-scorer"].index is scorer.index
+        replaced = holder.load_text(config(block_size=8)).plugins["precise-prefix-cache-scorer"]
+        assert replaced.index is not scorer.index
+        await until(lambda: not scorer.runtime.subscriber.started, what="the old subscriber to stop")
+    finally:
+        await holder.current.plugins["precise-prefix-cache-scorer"].runtime.subscriber.stop()
+        await scorer.runtime.subscriber.stop()
+        for p in publishers:
+            await p.close()
+        ctx.term()
+
+
+async def test_a_salted_request_maps_the_engines_blocks_into_its_scope() -> None:
+    ctx = zmq.asyncio.Context()
+    publisher = Publisher(ctx)
+    datastore = Datastore()
+    endpoint = Endpoint(HOST, 9000, kv_events_address=publisher.address)
+    datastore.set_endpoints([endpoint])
+    runtime = RuntimeHolder(datastore).load_text(config(block_size=16, ttl="0s"))  # only events count
+    scorer = runtime.plugins["precise-prefix-cache-scorer"]
+    try:
+        salted = request(PROMPT * 2, "s1", salt="tenant-a")
+        result = runtime.scheduler.schedule(salted, datastore.snapshot())
+        await publisher.subscribed()
+        runtime.pre_request(salted, result)
+        publisher.publish(stored(PROMPT * 2, 16))  # the engine's event carries no salt
+        salted_keys = token_block_hashes(PROMPT * 2, 16, chain_seed(MODEL, "tenant-a"))
+        await until(lambda: scorer.index.score(salted_keys, [endpoint.address]) == [1.0], what="the salted chain")
+        plain = runtime.scheduler.schedule(request(PROMPT * 2, "p1"), datastore.snapshot())
+        assert plain.profile_results["default"].scores[scorer.name] == [0.0]
+    finally:
+        await scorer.runtime.subscriber.stop()
+        await publisher.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    "parameters, message",
+    [
+        ({"kvEventsPort": 70000}, "kvEventsPort: must be a port number"),
+        ({"kvEventsReplayPort": 0}, "kvEventsReplayPort: must be >= 1"),
+        ({"tierWeights": {"gpu": 2}}, r"tierWeights.gpu: must be a number in \[0, 1\]"),
+        ({"tierWeights": {"disk": 0.5}}, "tierWeights.disk: unknown tier"),
+        ({"speculativeTTL": "soon"}, "speculativeTTL: invalid duration"),
+        ({"blockSize": 16}, "blockSize: unknown parameter"),
+    ],
+)
+def test_bad_parameters_are_named(parameters: dict, message: str) -> None:
+    with pytest.raises(PluginConfigError, match=message):
+        PreciseConfig.parse(parameters)
+
+
+def test_parameters_have_the_documented_defaults() -> None:
+    parsed = PreciseConfig.parse({"kvEventsReplayPort": 5558, "tierWeights": {"cpu": 0.5}, "speculativeTTL": "500ms"})
+    assert (parsed.subscriber.port, parsed.subscriber.replay_port, parsed.subscriber.topic_filter) == (5557, 5558, "kv@")
+    assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)

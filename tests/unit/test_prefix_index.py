@@ -1,0 +1,91 @@
+"""The approximate prefix index and the reference's character-block hashing."""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from picker.prefix.chars import char_block_hashes, char_chain_seed, prompt_bytes
+from picker.prefix.index import PrefixIndex
+from picker.request.model import Api, InferenceRequest, Message
+
+
+def _reference_hashes(data: bytes, block: int, model: str, salt: str, max_blocks: int) -> list[int]:
+    # The reference algorithm written out independently (gie-epp.md §4.3).
+    if len(data) < block:
+        return []
+    data = data[: max_blocks * block]
+    h = xxhash.xxh64_intdigest((model + salt).encode())
+    out = []
+    for i in range(0, len(data), block):
+        h = xxhash.xxh64_intdigest(data[i : i + block] + struct.pack("<Q", h))
+        out.append(h)
+    return out
+
+
+def test_char_hashes_follow_the_reference_chain_with_partial_tail_and_truncation() -> None:
+    data = b"x" * 64 * 3 + b"tail"
+    seed = char_chain_seed("llama", "salt")
+    assert char_block_hashes(data, 64, seed, 256) == _reference_hashes(data, 64, "llama", "salt", 256)
+    assert len(char_block_hashes(data, 64, seed, 256)) == 4  # 3 full blocks + the partial tail
+    assert len(char_block_hashes(data, 64, seed, 2)) == 2
+    assert char_block_hashes(b"short", 64, seed, 256) == []
+
+
+def test_seeds_scope_model_salt_and_tenant() -> None:
+    base = char_chain_seed("m")
+    assert base == xxhash.xxh64_intdigest(b"m")
+    assert char_chain_seed("m", "s") != base
+    assert char_chain_seed("m", None, "tenant-a") != base
+    assert char_chain_seed("m", None, "tenant-a") != char_chain_seed("m", None, "tenant-b")
+    assert char_chain_seed("other") != base
+
+
+def test_prompt_bytes_for_chat_is_deterministic_json_and_token_prompts_have_none() -> None:
+    chat = InferenceRequest(
+        "r1",
+        Api.CHAT_COMPLETIONS,
+        "m",
+        "m",
+        messages=(Message("system", "be brief"), Message("user", "hi")),
+    )
+    assert prompt_bytes(chat) == b'[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]'
+    text = InferenceRequest("r2", Api.COMPLETIONS, "m", "m", prompt_text="héllo")
+    assert prompt_bytes(text) == "héllo".encode()
+    tokens = InferenceRequest("r3", Api.COMPLETIONS, "m", "m", prompt_token_ids=(1, 2, 3))
+    assert prompt_bytes(tokens) is None
+
+
+def test_match_is_greedy_and_stops_at_first_block_nobody_has() -> None:
+    index = PrefixIndex()
+    index.insert("a", [1, 2, 3, 4])
+    index.insert("b", [1, 2])
+    assert index.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert index.match([9, 1, 2]) == {}
+    assert index.match([1, 2, 7, 4]) == {
+        "a": 2,
+        "b": 2,
+    }  # stops at 7 though "a" holds 4
+
+
+def test_lru_capacity_evicts_tails_first_and_updates_the_global_map() -> None:
+    index = PrefixIndex(default_capacity=4)
+    index.insert("a", [1, 2, 3, 4])
+    index.insert("a", [10, 11])  # evicts the least recent: the tail of the first prefix
+    assert len(index) == 4
+    assert index.match([1, 2, 3, 4]) == {"a": 2}
+    assert index.match([10, 11]) == {"a": 2}
+    index.insert("b", [3, 4], capacity=100)
+    assert index.capacity("b") == 100 and index.capacity("a") == 4
+
+
+def test_removed_endpoints_are_forgotten() -> None:
+    index = PrefixIndex()
+    index.insert("a", [1, 2])
+    index.insert("b", [1, 2, 3])
+    index.retain(["b"])
+    assert index.match([1, 2, 3]) == {"b": 3}
+    assert index.endpoints() == ["b"] and len(index) == 3
+    index.remove(["b"])
+    assert index.match([1]) == {} and len(index) == 0

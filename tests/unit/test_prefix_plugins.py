@@ -1,0 +1,403 @@
+"""Prefix plugins through the real scheduler: affinity, config, isolation, hot spots, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from picker.datastore.endpoint import Endpoint, EndpointMetrics
+from picker.datastore.store import Datastore
+from picker.prefix.plugins import (
+    PREFIX_MATCH_KEY,
+    PROMPT_BLOCKS_KEY,
+    TTFT_MODEL_KEY,
+    ApproxPrefixCacheProducer,
+    PrefixCacheScorer,
+    PrefixMatch,
+)
+from picker.prefix.prompt_blocks import CHARS, TOKENS
+from picker.prefix.ttft import TtftModel
+from picker.request.model import Api, InferenceRequest, Message, ResponseOutcome, Usage
+from picker.scheduling.framework import Handle
+from picker.scheduling.pickers import MaxScorePicker
+from picker.scheduling.profile_handler import SingleProfileHandler
+from picker.scheduling.registry import PluginConfigError, lookup
+from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
+from picker.scheduling.scorers import QueueScorer
+
+ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"]
+
+
+def _store(addresses: list[str] = ADDRESSES) -> Datastore:
+    store = Datastore()
+    store.set_endpoints([Endpoint(a.split(":")[0], 8000, name=a) for a in addresses])
+    return store
+
+
+def _producer(handle: Handle, **parameters: Any) -> ApproxPrefixCacheProducer:
+    registration = lookup("approx-prefix-cache-producer")
+    assert registration is not None
+    producer = registration.factory("approx-prefix-cache-producer", parameters, handle)
+    assert isinstance(producer, ApproxPrefixCacheProducer)
+    return producer
+
+
+def _scheduler(producer: ApproxPrefixCacheProducer, extra: Sequence[WeightedScorer] = ()) -> Scheduler:
+    scorers = [WeightedScorer(PrefixCacheScorer("prefix-cache-scorer"), 3.0), *extra]
+    profile = SchedulerProfile(
+        "default", [], scorers, MaxScorePicker("max-score-picker", rng=random.Random(0))
+    )
+    return Scheduler(SingleProfileHandler("single-profile-handler"), [profile], [producer])
+
+
+def _completion(
+    request_id: str,
+    prompt: str,
+    *,
+    model: str = "m",
+    tenant: str | None = None,
+    salt: str | None = None,
+) -> InferenceRequest:
+    return InferenceRequest(
+        request_id,
+        Api.COMPLETIONS,
+        model,
+        model,
+        prompt_text=prompt,
+        tenant=tenant,
+        cache_salt=salt,
+    )
+
+
+PROMPT = "You are a helpful assistant. " * 40
+
+
+def test_a_routed_prompt_scores_one_at_its_endpoint_and_zero_elsewhere() -> None:
+    store = _store()
+    producer = _producer(Handle(store))
+    scheduler = _scheduler(producer)
+    request = _completion("r1", PROMPT + "question one")
+    first = scheduler.schedule(request, store.snapshot())
+    producer.pre_request(request, first)
+    chosen = first.targets[0].address
+    result = scheduler.schedule(_completion("r2", PROMPT + "question two"), store.snapshot())
+    scores = dict(
+        zip(
+            [c.address for c in result.profile_results["default"].candidates],
+            result.profile_results["default"].scores["prefix-cache-scorer"],
+        )
+    )
+    assert result.targets[0].address == chosen
+    assert scores[chosen] == pytest.approx(len(PROMPT.encode()) // 64 / ((len(PROMPT) + 12) // 64 + 1))
+    assert all(score == 0.0 for address, score in scores.items() if address != chosen)
+    match = result.cycle_state[PREFIX_MATCH_KEY]
+    assert isinstance(match, PrefixMatch) and match.blocks.kind == CHARS
+
+
+def test_parameters_follow_the_reference() -> None:
+    handle = Handle(_store())
+    with pytest.raises(PluginConfigError, match="blockSize"):
+        _producer(handle, blockSize=64)
+    with pytest.raises(PluginConfigError, match="noSuchThing"):
+        _producer(handle, noSuchThing=1)
+    with pytest.raises(PluginConfigError, match="tokenizers.m"):
+        _producer(handle, tokenizers={"m": "/nonexistent/tokenizer"})
+    producer = _producer(
+        handle,
+        blockSize=64,
+        blockSizeTokens=8,
+        maxPrefixTokensToMatch=80,
+        autoTune=False,
+    )
+    sizing = producer.config.sizing(_store().snapshot())
+    assert (sizing.char_block_tokens, sizing.max_char_blocks) == (8, 10)
+    with pytest.raises(PluginConfigError):
+        lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 16}, handle)  # type: ignore[union-attr]
+
+
+def test_auto_tune_takes_block_size_and_capacity_from_engine_metrics() -> None:
+    store = _store(ADDRESSES[:1])
+    store.set_metrics(ADDRESSES[0], EndpointMetrics(cache_block_size=32, cache_num_blocks=3))
+    producer = _producer(Handle(store))
+    scheduler = _scheduler(producer)
+    request = _completion("r", "z" * 1000)
+    result = scheduler.schedule(request, store.snapshot())
+    blocks = result.cycle_state[PROMPT_BLOCKS_KEY]
+    assert blocks.block_tokens == 32 and len(blocks.hashes) == 8  # 1000 chars / 128 → 7 + tail
+    producer.pre_request(request, result)
+    assert producer.index.capacity(ADDRESSES[0]) == 3 and len(producer.index) == 3
+
+
+def test_endpoints_removed_from_the_datastore_are_forgotten() -> None:
+    store = _store()
+    producer = _producer(Handle(store))
+    scheduler = _scheduler(producer)
+    request = _completion("r", PROMPT)
+    result = scheduler.schedule(request, store.snapshot())
+    producer.pre_request(request, result)
+    chosen = result.targets[0].address
+    assert producer.index.endpoints() == [chosen]
+    store.set_endpoints([Endpoint(a.split(":")[0], 8000) for a in ADDRESSES if a != chosen])
+    assert producer.index.endpoints() == [] and len(producer.index) == 0
+
+
+@pytest.mark.parametrize("tokenizers", [{}, {"m": "builtin"}])
+def test_one_tenant_never_influences_where_anothers_requests_go(
+    tokenizers: Mapping[str, str],
+) -> None:
+    store = _store()
+    producer = _producer(Handle(store), tokenizers=dict(tokenizers))
+    scheduler = _scheduler(producer, [WeightedScorer(QueueScorer("queue-scorer"), 1.0)])
+    for i in range(20):  # tenant A's traffic builds affinity
+        request = _completion(f"a{i}", PROMPT + f" question {i}", tenant="A")
+        producer.pre_request(request, scheduler.schedule(request, store.snapshot()))
+    kind = TOKENS if tokenizers else CHARS
+    for other in ({"tenant": "B"}, {"salt": "s1"}, {"tenant": "A", "salt": "s2"}):
+        result = scheduler.schedule(_completion("b", PROMPT + " question 3", **other), store.snapshot())
+        match = result.cycle_state[PREFIX_MATCH_KEY]
+        assert match.blocks.kind == kind
+        assert match.matched == {}
+        assert set(result.profile_results["default"].scores["prefix-cache-scorer"]) == {0.0}
+    same = scheduler.schedule(_completion("a", PROMPT + " question 3", tenant="A"), store.snapshot())
+    assert max(same.profile_results["default"].scores["prefix-cache-scorer"]) > 0.5
+
+
+def test_a_hot_prefix_replicates_instead_of_overloading_one_endpoint() -> None:
+    store = _store()
+    factor = 1.5
+    producer = _producer(Handle(store), maxLoadFactor=factor)
+    scheduler = _scheduler(producer, [WeightedScorer(QueueScorer("queue-scorer"), 1.0)])
+    bound_violations = 0
+    holders: set[str] = set()
+    for i in range(40):  # every request stays in flight: load only grows
+        request = _completion(f"h{i}", PROMPT + f" q{i}")
+        snapshot = store.snapshot()
+        result = scheduler.schedule(request, snapshot)
+        producer.pre_request(request, result)
+        target = result.targets[0].address
+        match = result.cycle_state[PREFIX_MATCH_KEY]
+        loads = {s.address: s.in_flight_requests for s in snapshot}
+        if match.matched_blocks(target):
+            holders.add(target)
+            limit = factor * (sum(loads.values()) / len(loads) + 1)
+            bound_violations += loads[target] + 1 > limit
+        store.acquire(target, 100)
+    final = [store.in_flight(a) for a in ADDRESSES]
+    assert bound_violations == 0
+    assert len(holders) >= 3  # the prefix replicated as load grew
+    assert max(final) <= factor * (sum(final) / len(final) + 1) + 1
+
+
+def test_without_the_bound_a_hot_prefix_pins_one_endpoint() -> None:
+    store = _store()
+    producer = _producer(Handle(store), maxLoadFactor=0)
+    scheduler = _scheduler(producer, [WeightedScorer(QueueScorer("queue-scorer"), 1.0)])
+    for i in range(20):
+        request = _completion(f"p{i}", PROMPT + f" q{i}")
+        result = scheduler.schedule(request, store.snapshot())
+        producer.pre_request(request, result)
+        store.acquire(result.targets[0].address, 100)
+    assert max(store.in_flight(a) for a in ADDRESSES) >= 19
+
+
+def test_async_preparation_is_used_by_prepare_and_token_hashes_are_shared() -> None:
+    store = _store()
+    producer = _producer(Handle(store), tokenizers={"*": "builtin"})
+    scheduler = _scheduler(producer)
+    chat = InferenceRequest(
+        "c1",
+        Api.CHAT_COMPLETIONS,
+        "m",
+        "m",
+        messages=(Message("system", PROMPT), Message("user", "hi")),
+    )
+    asyncio.run(producer.prepare_async(chat, store.snapshot()))
+    prepared = producer._pending[chat.request_id]
+    result = scheduler.schedule(chat, store.snapshot())
+    assert result.cycle_state[PROMPT_BLOCKS_KEY] is prepared and prepared is not None
+    assert prepared.kind == TOKENS and prepared.block_tokens == 16
+    assert not producer._pending
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_value_metrics_compare_expected_and_actual_cached_tokens() -> None:
+    store = _store(ADDRESSES[:1])
+    producer = _producer(Handle(store), tokenizers={"vm": "builtin"})
+    scheduler = _scheduler(producer)
+    address = ADDRESSES[0]
+    labels = {"model_name": "vm", "endpoint": address}
+    before = {
+        n: _sample(n, labels)
+        for n in (
+            "picker_prefix_expected_cached_tokens_total",
+            "picker_prefix_saved_prefill_tokens_total",
+            "picker_prefix_saved_gpu_seconds_total",
+            "picker_prefix_prompt_tokens_total",
+        )
+    }
+    unseen = _sample(
+        "picker_prefix_first_block_total",
+        {"model_name": "vm", "tenant": "t", "seen": "false"},
+    )
+    seen = _sample(
+        "picker_prefix_first_block_total",
+        {"model_name": "vm", "tenant": "t", "seen": "true"},
+    )
+    results = []
+    for i in range(2):
+        request = _completion(f"v{i}", PROMPT, model="vm", tenant="t")
+        result = scheduler.schedule(request, store.snapshot())
+        producer.pre_request(request, result)
+        results.append((request, result))
+    request, result = results[1]
+    blocks = result.cycle_state[PROMPT_BLOCKS_KEY]
+    expected = result.cycle_state[PREFIX_MATCH_KEY].cached_tokens(address)
+    assert expected == (blocks.prompt_tokens - 1) // 16 * 16  # all but the last block, as the engine
+    producer.response_complete(
+        request,
+        result,
+        ResponseOutcome(address, 200, 0.05, 0.5, Usage(blocks.prompt_tokens, 5, expected - 16)),
+    )
+    assert (
+        _sample("picker_prefix_expected_cached_tokens_total", labels)
+        - before["picker_prefix_expected_cached_tokens_total"]
+        == expected
+    )
+    assert (
+        _sample("picker_prefix_saved_prefill_tokens_total", labels)
+        - before["picker_prefix_saved_prefill_tokens_total"]
+        == expected - 16
+    )
+    assert (
+        _sample("picker_prefix_prompt_tokens_total", labels) - before["picker_prefix_prompt_tokens_total"]
+        == blocks.prompt_tokens
+    )
+    saved_seconds = (
+        _sample("picker_prefix_saved_gpu_seconds_total", labels)
+        - before["picker_prefix_saved_gpu_seconds_total"]
+    )
+    assert saved_seconds == pytest.approx((expected - 16) / 5000.0)
+    assert (
+        _sample(
+            "picker_prefix_first_block_total",
+            {"model_name": "vm", "tenant": "t", "seen": "false"},
+        )
+        - unseen
+        == 1
+    )
+    assert (
+        _sample(
+            "picker_prefix_first_block_total",
+            {"model_name": "vm", "tenant": "t", "seen": "true"},
+        )
+        - seen
+        == 1
+    )
+    assert (REGISTRY.get_sample_value("inference_extension_prefix_indexer_size") or 0) >= len(blocks.hashes)
+
+
+CONFIG = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: approx-prefix-cache-producer
+  parameters: {tokenizers: {m: builtin}, maxLoadFactor: 1.5, blockSizeTokens: 16}
+- type: prefix-cache-scorer
+- type: ttft-cost-scorer
+  parameters: {prefillTokensPerSecond: 8000}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: ttft-cost-scorer, weight: 2}
+  - {pluginRef: queue-scorer, weight: 1}
+"""
+
+
+def test_configs_load_and_the_index_survives_a_reload() -> None:
+    from picker.config.runtime import RuntimeHolder
+
+    store = _store()
+    holder = RuntimeHolder(store)
+    default = holder.current  # the reference default: prefix-cache-scorer auto-creates its producer
+    assert any(isinstance(p, ApproxPrefixCacheProducer) for p in default.plugins.values())
+    runtime = holder.load_text(CONFIG)
+    producer = runtime.plugins["approx-prefix-cache-producer"]
+    assert isinstance(producer, ApproxPrefixCacheProducer) and producer.config.max_load_factor == 1.5
+    request = _completion("cfg", PROMPT)
+    result = runtime.scheduler.schedule(request, store.snapshot())
+    runtime.pre_request(request, result)
+    assert result.cycle_state[PROMPT_BLOCKS_KEY].kind == TOKENS
+    reloaded = holder.load_text(CONFIG)
+    again = reloaded.scheduler.schedule(_completion("cfg2", PROMPT), store.snapshot())
+    assert again.targets[0].address == result.targets[0].address
+    assert max(again.profile_results["default"].scores["prefix-cache-scorer"]) == 1.0
+
+
+def test_expected_cached_tokens_equal_what_the_simulated_engine_reuses() -> None:
+    # The real simulator engine (in process), fed the router's own token ids for chat requests.
+    from picker.sim.engine import Engine, EngineConfig
+    from picker.sim.profiles import DEFAULT_PROFILE, get_profile
+
+    store = _store(ADDRESSES[:1])
+    producer = _producer(Handle(store), tokenizers={"m": "builtin"})
+    scheduler = _scheduler(producer)
+    system = Message("system", PROMPT)
+    turns = [
+        (system, Message("user", "first question about the weather")),
+        (system, Message("user", "second question, quite different")),
+        (system, Message("user", "first question about the weather")),
+    ]
+
+    async def run() -> list[tuple[int, int]]:
+        engine = Engine(EngineConfig(get_profile(DEFAULT_PROFILE), num_gpu_blocks=4096, time_scale=1000.0))
+        engine.start()
+        try:
+            pairs = []
+            for i, messages in enumerate(turns):
+                request = InferenceRequest(f"s{i}", Api.CHAT_COMPLETIONS, "m", "m", messages=messages)
+                await producer.prepare_async(request, store.snapshot())
+                result = scheduler.schedule(request, store.snapshot())
+                producer.pre_request(request, result)
+                match = result.cycle_state[PREFIX_MATCH_KEY]
+                served = engine.submit(list(match.blocks.token_ids), 1)
+                while served.finish_reason is None:
+                    await served.wait()
+                pairs.append((match.cached_tokens(ADDRESSES[0]), served.num_cached))
+            return pairs
+        finally:
+            await engine.stop()
+
+    pairs = asyncio.run(run())
+    assert pairs[0] == (0, 0)
+    assert all(expected == actual for expected, actual in pairs)
+    assert pairs[2][1] > pairs[1][1] > 0  # the repeated question reuses more than the shared system prompt
+
+
+def test_responses_teach_the_ttft_model_the_endpoints_prefill_rate() -> None:
+    store = _store(ADDRESSES[:1])
+    clock = [0.0]
+    model = TtftModel(clock=lambda: clock[0])
+    producer = _producer(Handle(store, {TTFT_MODEL_KEY: model}), tokenizers={"m": "builtin"})
+    scheduler = _scheduler(producer)
+    address = ADDRESSES[0]
+    for i in range(30):  # distinct prompts, one at a time: TTFT = 10 ms + tokens / 2000
+        request = _completion(f"l{i}", f"topic {i} " + PROMPT)
+        result = scheduler.schedule(request, store.snapshot())
+        producer.pre_request(request, result)
+        prompt = result.cycle_state[PROMPT_BLOCKS_KEY].prompt_tokens
+        outcome = ResponseOutcome(address, 200, 0.01 + prompt / 2000, 1.0, Usage(prompt, 1, 0))
+        producer.response_complete(request, result, outcome)
+        clock[0] += 10.0  # the next request arrives after this one's backlog drained
+    rates = model.rates(address)
+    assert rates.prefill_samples == 30
+    assert rates.prefill_tokens_per_second == pytest.approx(2000, rel=0.05)

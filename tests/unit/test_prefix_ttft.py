@@ -1,0 +1,131 @@
+"""The TTFT cost model and its scorer: queue wait against prefill saving, online learning."""
+
+from __future__ import annotations
+
+import pytest
+
+from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from picker.prefix.plugins import (
+    PREDICTED_TTFT_KEY,
+    PREFIX_MATCH_KEY,
+    PrefixMatch,
+    TtftCostScorer,
+)
+from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
+from picker.prefix.ttft import TtftModel, TtftPriors, ttft_scores
+from picker.request.model import Api, InferenceRequest
+from picker.scheduling.framework import CycleState, Handle
+
+CACHED = "10.0.0.1:8000"
+IDLE = "10.0.0.2:8000"
+REQUEST = InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text="x")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _state(address: str, waiting: int = 0) -> EndpointState:
+    ip, port = address.split(":")
+    return EndpointState(
+        Endpoint(ip, int(port)),
+        EndpointMetrics(waiting_queue_size=waiting, update_time=1.0),
+    )
+
+
+def _cycle(prompt_tokens: int, cached_blocks: int, block: int = 16) -> CycleState:
+    blocks = PromptBlocks(TOKENS, tuple(range(prompt_tokens // block)), block, prompt_tokens, 0)
+    state = CycleState()
+    state[PREFIX_MATCH_KEY] = PrefixMatch(blocks, {CACHED: cached_blocks})
+    return state
+
+
+def _scorer() -> TtftCostScorer:
+    scorer = TtftCostScorer.create(
+        "ttft",
+        {
+            "prefillTokensPerSecond": 5000,
+            "drainTokensPerSecond": 5000,
+            "typicalPromptTokens": 512,
+        },
+        Handle(),
+    )
+    assert isinstance(scorer, TtftCostScorer)
+    return scorer
+
+
+def test_cached_pod_wins_while_its_queue_wait_is_below_the_prefill_saving() -> None:
+    # 8192-token prompt, 8000 cached at CACHED: saving = 8000 / 5000 = 1.6 s of prefill.
+    scorer = _scorer()
+    candidates = [
+        _state(CACHED, waiting=2),
+        _state(IDLE),
+    ]  # wait ≈ 2 × 512 / 5000 = 0.2 s
+    cycle = _cycle(8192, 500)
+    scores = scorer.score(REQUEST, cycle, candidates)
+    assert scores[0] == 1.0 and scores[1] < 1.0
+    predicted = cycle[PREDICTED_TTFT_KEY]
+    assert predicted[CACHED].seconds == pytest.approx(0.01 + 0.2048 + 192 / 5000)
+    assert predicted[IDLE].seconds == pytest.approx(0.01 + 8192 / 5000)
+
+
+def test_idle_pod_wins_once_the_queue_wait_exceeds_the_prefill_saving() -> None:
+    scorer = _scorer()
+    candidates = [
+        _state(CACHED, waiting=20),
+        _state(IDLE),
+    ]  # wait ≈ 20 × 512 / 5000 = 2.05 s > 1.6 s
+    scores = scorer.score(REQUEST, _cycle(8192, 500), candidates)
+    assert scores[1] == 1.0 and scores[0] < 1.0
+    assert 0.0 < scores[0] < 1.0
+
+
+def test_scores_are_best_over_predicted_in_unit_range() -> None:
+    model = TtftModel(TtftPriors(overhead_seconds=0.0))
+    estimates = [model.estimate(_state(a), tokens, 0) for a, tokens in ((CACHED, 1000), (IDLE, 4000))]
+    assert ttft_scores(estimates) == [1.0, pytest.approx(0.25)]
+
+
+def test_the_pickers_own_backlog_counts_until_it_drains() -> None:
+    clock = Clock()
+    model = TtftModel(TtftPriors(drain_tokens_per_second=1000.0, typical_prompt_tokens=100.0), clock)
+    state = _state(CACHED, waiting=1)
+    assert model.work_ahead(state) == 100.0  # the scrape's queue
+    model.add_backlog(CACHED, 3000)
+    assert model.work_ahead(state) == 3000.0  # requests the scrape does not show yet
+    clock.now += 2.0
+    assert model.work_ahead(state) == pytest.approx(1000.0)
+    clock.now += 5.0
+    assert model.work_ahead(state) == 100.0
+
+
+def test_prefill_and_drain_rates_are_learnt_from_observed_ttft() -> None:
+    model = TtftModel(
+        TtftPriors(
+            prefill_tokens_per_second=5000.0,
+            drain_tokens_per_second=5000.0,
+            overhead_seconds=0.01,
+        )
+    )
+    true_prefill, true_drain = 2000.0, 8000.0
+    for i in range(60):  # idle endpoint: TTFT is overhead + prefill of the uncached tokens
+        prompt, cached = 1000 + 37 * (i % 7), 200
+        model.observe(CACHED, 0.01 + (prompt - cached) / true_prefill, prompt, cached, 0.0)
+    assert model.rates(CACHED).prefill_tokens_per_second == pytest.approx(true_prefill, rel=0.02)
+    for i in range(60):  # queued endpoint: 20k tokens ahead dominate
+        ahead, prompt = 20000.0 + 500 * (i % 5), 300
+        model.observe(CACHED, 0.01 + ahead / true_drain + prompt / true_prefill, prompt, 0, ahead)
+    rates = model.rates(CACHED)
+    assert rates.drain_tokens_per_second == pytest.approx(true_drain, rel=0.05)
+    assert rates.prefill_tokens_per_second == pytest.approx(true_prefill, rel=0.02)
+    assert rates.prefill_samples == 60 and rates.drain_samples == 60
+
+
+def test_outliers_move_a_rate_by_a_bounded_step() -> None:
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, ewma_alpha=1.0))
+    model.observe(CACHED, 1e-3 + 0.01, 10000, 0, 0.0)  # an impossible 10M tokens/s
+    assert model.rates(CACHED).prefill_tokens_per_second == pytest.approx(20000.0)
