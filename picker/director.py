@@ -90,12 +90,38 @@ class RoutedRequest:
         self.director.complete(self, error)
 
 
+class _ModelSeries:
+    """The per-model metric children a request touches, looked up once per model pair."""
+
+    __slots__ = ("running", "sizes", "duration", "response_sizes", "ttft", "input", "output", "cached", "labels")
+
+    def __init__(self, model: str, target: str) -> None:
+        labels = (model, target)
+        self.labels = labels
+        self.running = metrics.RUNNING_REQUESTS.labels(model)
+        self.sizes = metrics.REQUEST_SIZES.labels(*labels)
+        self.duration = metrics.REQUEST_DURATION.labels(*labels)
+        self.response_sizes = metrics.RESPONSE_SIZES.labels(*labels)
+        self.ttft = metrics.TTFT.labels(*labels)
+        self.input = metrics.INPUT_TOKENS.labels(*labels)
+        self.output = metrics.OUTPUT_TOKENS.labels(*labels)
+        self.cached = metrics.CACHED_TOKENS.labels(*labels)
+
+
 class Director:
     """Routes parsed requests over the datastore's endpoints with the active scheduler config."""
 
     def __init__(self, datastore: Datastore, runtimes: RuntimeHolder) -> None:
         self.datastore = datastore
         self.runtimes = runtimes
+        self._series: dict[tuple[str, str], _ModelSeries] = {}
+
+    def _model_series(self, request: InferenceRequest) -> _ModelSeries:
+        key = (request.model, request.target_model)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _ModelSeries(*key)
+        return series
 
     def candidates(self, subset: Sequence[str] | None) -> list[EndpointState]:
         candidates = self.datastore.snapshot()
@@ -124,10 +150,10 @@ class Director:
         targets = [t.address for t in result.targets]
         tokens = request.estimated_prompt_tokens()
         self._count(targets[0], tokens)
-        labels = (request.model, request.target_model)
-        metrics.REQUEST_TOTAL.labels(*labels, str(runtime.priority(request))).inc()
-        metrics.REQUEST_SIZES.labels(*labels).observe(request.size_bytes)
-        metrics.RUNNING_REQUESTS.labels(request.model).inc()
+        series = self._model_series(request)
+        metrics.REQUEST_TOTAL.labels(*series.labels, str(runtime.priority(request))).inc()
+        series.sizes.observe(request.size_bytes)
+        series.running.inc()
         return RoutedRequest(self, request, targets, tokens, runtime, result)
 
     def _count(self, primary: str, tokens: int) -> None:
@@ -153,17 +179,17 @@ class Director:
         )
         if routed.runtime is not None and routed.result is not None:
             routed.runtime.response_complete(request, routed.result, outcome)
-        labels = (request.model, request.target_model)
-        metrics.RUNNING_REQUESTS.labels(request.model).dec()
-        metrics.REQUEST_DURATION.labels(*labels).observe(outcome.duration_seconds)
-        metrics.RESPONSE_SIZES.labels(*labels).observe(routed.response_bytes)
+        series = self._model_series(request)
+        series.running.dec()
+        series.duration.observe(outcome.duration_seconds)
+        series.response_sizes.observe(routed.response_bytes)
         if outcome.ttft_seconds is not None:
-            metrics.TTFT.labels(*labels).observe(outcome.ttft_seconds)
+            series.ttft.observe(outcome.ttft_seconds)
         if error is not None:
-            metrics.REQUEST_ERROR_TOTAL.labels(*labels, error).inc()
+            metrics.REQUEST_ERROR_TOTAL.labels(*series.labels, error).inc()
         elif outcome.status and outcome.status != 200:
-            metrics.REQUEST_ERROR_TOTAL.labels(*labels, "ModelServerError").inc()
+            metrics.REQUEST_ERROR_TOTAL.labels(*series.labels, "ModelServerError").inc()
         if outcome.usage is not None:
-            metrics.INPUT_TOKENS.labels(*labels).observe(outcome.usage.prompt_tokens)
-            metrics.OUTPUT_TOKENS.labels(*labels).observe(outcome.usage.completion_tokens)
-            metrics.CACHED_TOKENS.labels(*labels).observe(outcome.usage.cached_tokens)
+            series.input.observe(outcome.usage.prompt_tokens)
+            series.output.observe(outcome.usage.completion_tokens)
+            series.cached.observe(outcome.usage.cached_tokens)

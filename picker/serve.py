@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 import re
@@ -25,6 +26,7 @@ from picker.scheduling.framework import BackgroundWork
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
+from picker.telemetry import metrics
 from picker.telemetry.health import HealthServicer
 from picker.telemetry.http import metrics_app, start_metrics_server
 
@@ -214,6 +216,7 @@ class PickerServer:
         self.metrics_runner = await start_metrics_server(metrics_app(decisions), bind, args.metrics_port)
         await self.grpc_server.start()
         await self.health_server.start()
+        metrics.INFO.labels(commit="", build_ref=importlib.metadata.version("picker")).set(1)
         log.info(
             "picker serving ext_proc on %s (%s), health on %s, metrics on %s; %d endpoints",
             address, "TLS" if args.secure_serving else "plaintext", args.grpc_health_port,
