@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,tokenizers,bench]'
 	touch $(STAMP)
 
+# The e2e tests run a real kube-apiserver (built once from the official Go module and cached in
+# ~/.cache/picker/bin), etcd and helm: tools/install-test-binaries.sh provides them.
 test: install
+	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
 
 demo: install

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import importlib.metadata
 import logging
 import os
@@ -129,20 +130,55 @@ class PickerServer:
         self.director = Director(self.datastore, self.runtimes)
         self.config_watch: asyncio.Task[None] | None = None
         self.endpoint_file: EndpointFile | None = None
+        self.discovery = None
         self.collector: MetricsCollector | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.metrics_runner = None
 
-    def _load_endpoints(self) -> None:
+    async def _start_discovery(self) -> None:
+        """Endpoints from the flags, a file, or the Kubernetes API (pool or label selector)."""
         args = self.args
-        if args.endpoints:
+        if args.pool_name or args.endpoint_selector:
+            from picker.discovery.kubernetes import KubernetesDiscovery  # the client is heavy to import
+
+            selector = None
+            if args.endpoint_selector:
+                try:
+                    selector = dict(part.split("=", 1) for part in args.endpoint_selector.split(","))
+                except ValueError:
+                    raise EndpointListError(f"--endpoint-selector: expected k=v,k2=v2, got {args.endpoint_selector!r}") from None
+            try:
+                ports = [int(p) for p in args.endpoint_target_ports.split(",")] if args.endpoint_target_ports else ()
+            except ValueError:
+                raise EndpointListError(f"--endpoint-target-ports: expected ports, got {args.endpoint_target_ports!r}") from None
+            self.discovery = KubernetesDiscovery(
+                self.datastore,
+                pool_name=args.pool_name,
+                pool_namespace=args.pool_namespace,
+                pool_group=args.pool_group,
+                endpoint_selector=selector,
+                endpoint_target_ports=ports,
+                kubeconfig=args.kubeconfig,
+                on_objectives=self.runtimes.set_objectives if args.pool_name else None,
+                config_map=args.config_map,
+                on_config_text=self._config_map_changed,
+            )
+            await self.discovery.start()
+        elif args.endpoints:
             self.datastore.set_endpoints(parse_endpoint_flag(args.endpoints))
         elif args.endpoints_file:
             self.endpoint_file = EndpointFile(self.datastore, args.endpoints_file)
             self.endpoint_file.load()
+            self.endpoint_file.start()
         else:
-            raise EndpointListError("one of --endpoints, --endpoints-file, --pool-name or --endpoint-selector is required")
+            raise EndpointListError(
+                "one of --endpoints, --endpoints-file, --pool-name or --endpoint-selector is required"
+            )
+
+    def _config_map_changed(self, text: str) -> None:
+        """A new EndpointPickerConfig from the watched ConfigMap: swap it in, or keep the old."""
+        self.runtimes.reload(text.encode("utf-8"), f"ConfigMap {self.args.config_map}")
 
     def _load_config(self) -> None:
         args = self.args
@@ -184,9 +220,7 @@ class PickerServer:
         self._load_config()
         if args.config_file:
             self.config_watch = asyncio.create_task(self.runtimes.watch(args.config_file), name="config-watch")
-        self._load_endpoints()
-        if self.endpoint_file is not None:
-            self.endpoint_file.start()
+        await self._start_discovery()
         for plugin in self.runtimes.current.plugins.values():
             if isinstance(plugin, BackgroundWork):
                 plugin.start()
@@ -229,6 +263,8 @@ class PickerServer:
             await asyncio.gather(self.config_watch, return_exceptions=True)
         if self.endpoint_file is not None:
             await self.endpoint_file.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.collector is not None:
             await self.collector.stop()
         for server in (self.grpc_server, self.health_server):
@@ -246,7 +282,7 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
-    except (EndpointListError, ConfigError, OSError) as e:
+    except (EndpointListError, ConfigError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         await server.stop()
         return 1
@@ -256,9 +292,26 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_MMAP_THRESHOLD_BYTES = 256 << 10
+
+
+def _return_large_buffers_to_the_os() -> None:
+    """Serve blocks of 256 KiB and more (request bodies) from mmap, so freeing them returns the
+    memory: glibc otherwise raises its threshold after the first large free and keeps later
+    large bodies in its heaps, and RSS ratchets up after bursts of big requests."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return  # the operator chose
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass  # not glibc (musl, macOS): that allocator's own policy applies
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.v, args.zap_encoder)
+    _return_large_buffers_to_the_os()
     if args.pool_namespace is None:
         args.pool_namespace = os.environ.get("NAMESPACE", "default")
     import uvloop

@@ -237,6 +237,26 @@ class RuntimeHolder:
             raise ConfigError([f"the config is not UTF-8: {error}"]) from None
         return self.load_text(text)
 
+    def reload(self, data: bytes, source: str) -> bool:
+        """Install `data` if it changed and is valid; an invalid config is logged and counted
+        once, and the old one stays. Returns whether a new config was installed."""
+        digest = hashlib.sha256(data).digest()
+        if digest == self._source_hash:
+            return False
+        try:
+            self._load_bytes(data)
+        except Exception as error:  # a reload must survive any bad config, and keep the old one
+            self._source_hash = digest  # report this content once, not every poll
+            CONFIG_RELOADS.labels("failure").inc()
+            if isinstance(error, ConfigError):
+                log.error("config from %s rejected, keeping the previous one:\n%s", source, error)
+            else:
+                log.exception("config from %s could not be loaded, keeping the previous one", source)
+            return False
+        CONFIG_RELOADS.labels("success").inc()
+        log.info("config from %s reloaded", source)
+        return True
+
     def set_objectives(self, objectives: Mapping[str, int | None]) -> None:
         """Replace the InferenceObjective priorities (`{name: priority}`, None = unset = 0)."""
         self._objectives = MappingProxyType(dict(objectives))
@@ -257,18 +277,4 @@ class RuntimeHolder:
             except OSError as error:
                 log.debug("config file %s is not readable right now: %s", path, error)
                 continue
-            digest = hashlib.sha256(data).digest()
-            if digest == self._source_hash:
-                continue
-            try:
-                self._load_bytes(data)
-            except Exception as error:  # the watcher must survive any bad config, and keep the old one
-                self._source_hash = digest  # report this content once, not every poll
-                CONFIG_RELOADS.labels("failure").inc()
-                if isinstance(error, ConfigError):
-                    log.error("config %s rejected, keeping the previous one:\n%s", path, error)
-                else:
-                    log.exception("config %s could not be loaded, keeping the previous one", path)
-                continue
-            CONFIG_RELOADS.labels("success").inc()
-            log.info("config %s reloaded", path)
+            self.reload(data, str(path))

@@ -1,0 +1,25 @@
+# The picker image: `picker serve` as a non-root user, fit for a read-only root filesystem.
+#   docker build -t picker .            (with the tokenizer extra, for token-exact prefix hashing)
+#   docker build --build-arg EXTRAS= .  (without it: smaller, character-block prefix hashing)
+FROM python:3.11-slim-bookworm AS build
+ARG EXTRAS=tokenizers
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY picker ./picker
+RUN python -m venv /opt/picker \
+ && /opt/picker/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
+ && /opt/picker/bin/python -m compileall -q /opt/picker
+
+FROM python:3.11-slim-bookworm
+COPY --from=build /opt/picker /opt/picker
+# The root filesystem is read-only in the chart: no .pyc writes, caches under /tmp (an emptyDir).
+ENV PATH=/opt/picker/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/tmp/hf \
+    HOME=/tmp
+USER 65532:65532
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["picker"]
+CMD ["serve", "--help"]

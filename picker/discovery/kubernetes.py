@@ -1,0 +1,305 @@
+"""Endpoint discovery from the Kubernetes API: an InferencePool (or a plain label selector) and
+its pods, InferenceObjectives, and the ConfigMap holding the EndpointPickerConfig.
+
+Each watched kind runs in a `KubeReflector` thread; results arrive on the event loop, where this
+class turns them into `Datastore.set_endpoints` calls and the `on_objectives` /
+`on_config_text` callbacks. Nothing here blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kubernetes import client, config
+
+from picker.datastore.endpoint import Endpoint
+from picker.datastore.store import Datastore
+from picker.discovery.kube_objects import (
+    OBJECTIVE_GROUP,
+    OBJECTIVE_VERSION,
+    POOL_GROUP_V1,
+    PoolSpec,
+    PoolSpecError,
+    config_map_text,
+    objective_priorities,
+    parse_pool_spec,
+    pod_endpoints,
+    pool_version,
+    validate_target_ports,
+)
+from picker.discovery.kube_reflector import KubeReflector, Objects
+
+log = logging.getLogger(__name__)
+
+_STOP_TIMEOUT = 5.0
+
+
+class KubeCredentialsError(Exception):
+    """No usable Kubernetes credentials (bad kubeconfig, or none and not in a cluster)."""
+
+
+def api_client(kubeconfig: str | None) -> client.ApiClient:
+    """A client for `kubeconfig`, else the in-cluster service account, else $KUBECONFIG or
+    ~/.kube/config."""
+    try:
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig)
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+        return client.ApiClient(configuration)
+    except (config.ConfigException, OSError, ValueError) as exc:
+        where = kubeconfig or "in-cluster service account, $KUBECONFIG or ~/.kube/config"
+        raise KubeCredentialsError(f"cannot load Kubernetes credentials ({where}): {exc}") from None
+
+
+class KubernetesDiscovery:
+    """Keeps the datastore's endpoints equal to the ready pods of an InferencePool.
+
+    Pool mode (`pool_name`) follows the pool's selector and target ports, re-targeting when
+    they change. Standalone mode (`endpoint_selector` + `endpoint_target_ports`) needs no CRD.
+    """
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        *,
+        pool_name: str | None,
+        pool_namespace: str,
+        pool_group: str = POOL_GROUP_V1,
+        endpoint_selector: Mapping[str, str] | None = None,
+        endpoint_target_ports: Sequence[int] = (),
+        kubeconfig: str | None = None,
+        on_objectives: Callable[[dict[str, int]], None] | None = None,
+        config_map: str | None = None,
+        config_map_key: str | None = None,
+        on_config_text: Callable[[str], None] | None = None,
+    ) -> None:
+        if bool(pool_name) == bool(endpoint_selector):
+            raise ValueError("set exactly one of pool_name or endpoint_selector")
+        self._standalone_spec: PoolSpec | None = None
+        if endpoint_selector:
+            try:
+                ports = validate_target_ports(endpoint_target_ports)
+            except PoolSpecError as exc:
+                raise ValueError(f"endpoint_target_ports: {exc}") from None
+            labels = tuple(sorted((str(k), str(v)) for k, v in endpoint_selector.items()))
+            self._standalone_spec = PoolSpec(labels, ports)
+        else:
+            pool_version(pool_group)  # rejects an unknown group early
+        self._datastore = datastore
+        self._pool_name = pool_name
+        self._namespace = pool_namespace
+        self._pool_group = pool_group
+        self._kubeconfig = kubeconfig
+        self._on_objectives = on_objectives
+        self._config_map = config_map
+        self._config_map_key = config_map_key
+        self._on_config_text = on_config_text
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._api: client.ApiClient | None = None
+        self._reflectors: list[KubeReflector] = []
+        self._pod_reflector: KubeReflector | None = None
+        self._spec: PoolSpec | None = None
+        self._pods: Objects = {}
+        self._objectives: dict[str, int] | None = None
+        self._config_text: str | None = None
+        self._objectives_task: asyncio.Task[None] | None = None
+        self._stopped = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Begin watching; returns once the watch threads are started (not synced).
+
+        Raises KubeCredentialsError when no credentials can be loaded."""
+        self._loop = asyncio.get_running_loop()
+        self._api = await asyncio.to_thread(api_client, self._kubeconfig)
+        if self._standalone_spec is not None:
+            self._target(self._standalone_spec)
+        else:
+            self._start_reflector(
+                "inferencepool",
+                self._custom_list_call(
+                    self._pool_group,
+                    pool_version(self._pool_group),
+                    "inferencepools",
+                    field_selector=f"metadata.name={self._pool_name}",
+                ),
+                self._on_pools,
+            )
+            if self._on_objectives is not None:
+                self._objectives_task = asyncio.create_task(self._watch_objectives_if_served())
+        if self._config_map:
+            core = client.CoreV1Api(self._api)
+            self._start_reflector(
+                "configmap",
+                functools.partial(
+                    core.list_namespaced_config_map,
+                    self._namespace,
+                    field_selector=f"metadata.name={self._config_map}",
+                    _preload_content=False,
+                ),
+                self._on_config_maps,
+            )
+
+    async def stop(self) -> None:
+        """Stop every watch thread and wait (briefly) for them to end."""
+        self._stopped.set()
+        if self._objectives_task is not None:
+            self._objectives_task.cancel()
+            await asyncio.gather(self._objectives_task, return_exceptions=True)
+        reflectors, self._reflectors = self._reflectors, []
+        self._pod_reflector = None
+        for reflector in reflectors:
+            reflector.stop()
+        for reflector in reflectors:
+            await asyncio.to_thread(reflector.join, _STOP_TIMEOUT)
+        if self._api is not None:
+            await asyncio.to_thread(self._api.close)
+            self._api = None
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def _custom_list_call(self, group: str, version: str, plural: str, **query: Any) -> Callable[..., Any]:
+        custom = client.CustomObjectsApi(self._api)
+        return functools.partial(
+            custom.list_namespaced_custom_object,
+            group,
+            version,
+            self._namespace,
+            plural,
+            _preload_content=False,
+            **query,
+        )
+
+    def _start_reflector(self, name: str, list_call: Callable[..., Any], on_change: Callable[[Objects], None]) -> KubeReflector:
+        assert self._loop is not None
+        reflector = KubeReflector(name, list_call, on_change, self._loop)
+        self._reflectors.append(reflector)
+        reflector.start()
+        return reflector
+
+    def _stop_reflector(self, reflector: KubeReflector) -> None:
+        reflector.stop()
+        self._reflectors.remove(reflector)
+
+    def _target(self, spec: PoolSpec) -> None:
+        """Point the pod watch at `spec`'s selector (restarting it if the selector changed)."""
+        old = self._spec
+        self._spec = spec
+        if old is not None and old.selector == spec.selector and self._pod_reflector is not None:
+            self._publish()  # only the ports changed: same pods, new endpoints
+            return
+        if self._pod_reflector is not None:
+            self._stop_reflector(self._pod_reflector)
+        core = client.CoreV1Api(self._api)
+
+        def on_pods(objects: Objects) -> None:
+            if self._pod_reflector is reflector:  # ignore a replaced watch's late deliveries
+                self._pods = objects
+                self._publish()
+
+        reflector = self._start_reflector(
+            f"pods({spec.label_selector})",
+            functools.partial(
+                core.list_namespaced_pod,
+                self._namespace,
+                label_selector=spec.label_selector,
+                _preload_content=False,
+            ),
+            on_pods,
+        )
+        self._pod_reflector = reflector
+
+    def _publish(self) -> None:
+        if self._spec is None:
+            return
+        endpoints: list[Endpoint] = []
+        for name in sorted(self._pods):
+            endpoints.extend(pod_endpoints(self._pods[name], self._spec.target_ports))
+        self._datastore.set_endpoints(endpoints)
+
+    # -- watch callbacks (on the event loop) ----------------------------------------------
+
+    def _on_pools(self, objects: Objects) -> None:
+        pool = objects.get(self._pool_name or "")
+        if pool is None:
+            if self._spec is not None:
+                log.warning("InferencePool %s/%s was deleted: no endpoints", self._namespace, self._pool_name)
+                if self._pod_reflector is not None:
+                    self._stop_reflector(self._pod_reflector)
+                    self._pod_reflector = None
+                self._spec = None
+                self._pods = {}
+                self._datastore.set_endpoints([])
+            return
+        try:
+            spec = parse_pool_spec(pool, self._pool_group)
+        except PoolSpecError as exc:
+            log.error("InferencePool %s/%s ignored: %s", self._namespace, self._pool_name, exc)
+            return
+        if spec != self._spec:
+            log.info("InferencePool %s/%s: selector %s, target ports %s",
+                     self._namespace, self._pool_name, spec.label_selector, list(spec.target_ports))
+            self._target(spec)
+
+    def _on_objectives_changed(self, objects: Objects) -> None:
+        assert self._on_objectives is not None and self._pool_name is not None
+        priorities = objective_priorities(objects.values(), self._pool_name)
+        if priorities != self._objectives:
+            self._objectives = priorities
+            self._on_objectives(dict(priorities))
+
+    def _on_config_maps(self, objects: Objects) -> None:
+        config_map = objects.get(self._config_map or "")
+        if config_map is None:
+            return  # deleted or not created yet: keep running on the last config
+        text = config_map_text(config_map, self._config_map_key)
+        if text is None:
+            log.error("ConfigMap %s/%s has no key %s", self._namespace, self._config_map,
+                      self._config_map_key or "ending in .yaml")
+            return
+        if text != self._config_text:
+            self._config_text = text
+            if self._on_config_text is not None:
+                self._on_config_text(text)
+
+    async def _watch_objectives_if_served(self) -> None:
+        """Watch InferenceObjectives only when their CRD is installed (not an error otherwise)."""
+        served = await asyncio.to_thread(self._objectives_served)
+        if self._stopped.is_set():
+            return
+        if not served:
+            log.info("InferenceObjective CRD (%s/%s) is not installed: priorities default to 0",
+                     OBJECTIVE_GROUP, OBJECTIVE_VERSION)
+            return
+        self._start_reflector(
+            "inferenceobjective",
+            self._custom_list_call(OBJECTIVE_GROUP, OBJECTIVE_VERSION, "inferenceobjectives"),
+            self._on_objectives_changed,
+        )
+
+    def _objectives_served(self) -> bool:
+        """Ask API discovery whether inferenceobjectives are served; retries until it answers."""
+        api = client.CustomObjectsApi(self._api)
+        while not self._stopped.is_set():
+            try:
+                resources = api.get_api_resources(OBJECTIVE_GROUP, OBJECTIVE_VERSION, _request_timeout=5.0)
+                return any(r.name == "inferenceobjectives" for r in resources.resources)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    return False
+                log.warning("API discovery failed (%s); retrying", exc.status)
+            except Exception as exc:  # API server unreachable: retry like the watches do
+                log.warning("API discovery failed (%s); retrying", type(exc).__name__)
+            self._stopped.wait(1.0)
+        return False

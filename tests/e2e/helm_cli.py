@@ -1,0 +1,18 @@
+"""Running the helm binary in e2e tests."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.e2e.kube_cluster import KubeCluster
+
+
+def helm(helm_binary: Path, helm_env: dict[str, str], *args: str, kube: KubeCluster | None = None) -> str:
+    """Run helm; on failure the assertion shows its stderr."""
+    command = [str(helm_binary), *args]
+    if kube is not None:
+        command += ["--kubeconfig", str(kube.admin_kubeconfig)]
+    result = subprocess.run(command, env=helm_env, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}\n{result.stdout}"
+    return result.stdout

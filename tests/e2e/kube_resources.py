@@ -1,0 +1,132 @@
+"""Creating and changing API objects in e2e tests (admin credentials, real API server)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, dynamic
+
+from tests.e2e.kube_cluster import KubeCluster, kubeconfig, wait_until
+
+POOL_V1 = ("inference.networking.k8s.io", "v1")
+POOL_LEGACY = ("inference.networking.x-k8s.io", "v1alpha2")
+
+
+def load_documents(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    docs = []
+    for path in paths:
+        docs.extend(d for d in yaml.safe_load_all(Path(path).read_text()) if d)
+    return docs
+
+
+def apply_manifests(api: client.ApiClient, paths_or_docs: Iterable[Path | Mapping[str, Any]], namespace: str | None = None) -> None:
+    """Create every object (any kind, CRDs included) through the dynamic client."""
+    dyn = dynamic.DynamicClient(api)
+    docs = [d for d in paths_or_docs if isinstance(d, Mapping)]
+    docs += load_documents(p for p in paths_or_docs if not isinstance(p, Mapping))
+    for doc in docs:
+        resource = dyn.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+        if resource.namespaced:
+            resource.create(body=doc, namespace=doc.get("metadata", {}).get("namespace") or namespace)
+        else:
+            resource.create(body=doc)
+
+
+def wait_crds_established(api: client.ApiClient, names: Iterable[str]) -> None:
+    ext = client.ApiextensionsV1Api(api)
+
+    def established(name: str) -> bool:
+        crd = ext.read_custom_resource_definition(name)
+        return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or ())
+
+    for name in names:
+        wait_until(lambda name=name: established(name), 30, message=f"CRD {name} to be established")
+
+
+
+def create_namespace(api: client.ApiClient, prefix: str) -> str:
+    body = client.V1Namespace(metadata=client.V1ObjectMeta(generate_name=f"{prefix}-"))
+    return client.CoreV1Api(api).create_namespace(body).metadata.name
+
+
+def create_pod(api: client.ApiClient, namespace: str, name: str, labels: Mapping[str, str],
+               annotations: Mapping[str, str] | None = None) -> None:
+    """A Pod object only: no kubelet runs, so its status is whatever the test sets."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": dict(labels), "annotations": dict(annotations or {})},
+        "spec": {"containers": [{"name": "model-server", "image": "vllm/vllm-openai:latest"}]},
+    }
+    client.CoreV1Api(api).create_namespaced_pod(namespace, body)
+
+
+def set_pod_ready(api: client.ApiClient, namespace: str, name: str, ip: str, ready: bool = True) -> None:
+    """Write the pod's IP and Ready condition through the status subresource, as a kubelet would."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "phase": "Running",
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": now}],
+    }
+    client.CoreV1Api(api).patch_namespaced_pod_status(name, namespace, {"status": status})
+
+
+def delete_pod(api: client.ApiClient, namespace: str, name: str) -> None:
+    # Grace period 0: with no kubelet, a graceful delete would only set deletionTimestamp.
+    client.CoreV1Api(api).delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+
+
+def pool_body(name: str, selector: Mapping[str, str], ports: list[int], legacy: bool = False) -> dict[str, Any]:
+    if legacy:
+        (port,) = ports
+        return {
+            "apiVersion": "/".join(POOL_LEGACY),
+            "kind": "InferencePool",
+            "metadata": {"name": name},
+            "spec": {"selector": dict(selector), "targetPortNumber": port, "extensionRef": {"name": f"{name}-epp"}},
+        }
+    return {
+        "apiVersion": "/".join(POOL_V1),
+        "kind": "InferencePool",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchLabels": dict(selector)},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}},
+        },
+    }
+
+
+def put_pool(api: client.ApiClient, namespace: str, name: str, selector: Mapping[str, str], ports: list[int],
+             legacy: bool = False) -> None:
+    """Create the pool, or replace its spec if it exists."""
+    group, version = POOL_LEGACY if legacy else POOL_V1
+    custom = client.CustomObjectsApi(api)
+    body = pool_body(name, selector, ports, legacy)
+    try:
+        current = custom.get_namespaced_custom_object(group, version, namespace, "inferencepools", name)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        custom.create_namespaced_custom_object(group, version, namespace, "inferencepools", body)
+        return
+    current["spec"] = body["spec"]
+    custom.replace_namespaced_custom_object(group, version, namespace, "inferencepools", name, current)
+
+
+def patch_config_map(api: client.ApiClient, namespace: str, name: str, data: Mapping[str, str]) -> None:
+    client.CoreV1Api(api).patch_namespaced_config_map(name, namespace, {"data": dict(data)})
+
+
+def service_account_kubeconfig(api: client.ApiClient, cluster: KubeCluster, namespace: str, name: str, path: Path) -> Path:
+    """A kubeconfig holding a TokenRequest token for ServiceAccount namespace/name."""
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request).status.token
+    path.write_text(kubeconfig(cluster.server, cluster.ca_file, token, f"system:serviceaccount:{namespace}:{name}", namespace))
+    return path
