@@ -157,7 +157,8 @@ class Runtime:
                 plugin.pre_request(request, result)
             except Exception:
                 log.exception("PreRequest plugin %s failed for request %s", plugin.name, request.request_id)
-            timer.observe(perf_counter() - started)
+            if result.timed:
+                timer.observe(perf_counter() - started)
 
     def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
         """Run every ResponseComplete plugin; failures are logged."""
@@ -167,7 +168,8 @@ class Runtime:
                 plugin.response_complete(request, result, outcome)
             except Exception:
                 log.exception("ResponseComplete plugin %s failed for request %s", plugin.name, request.request_id)
-            timer.observe(perf_counter() - started)
+            if result.timed:
+                timer.observe(perf_counter() - started)
 
 
 def _profile(name: str, refs: Sequence[ProfilePluginRef], plugins: Mapping[str, Plugin]) -> SchedulerProfile:

@@ -32,10 +32,11 @@ class Endpoint:
     labels: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     # ZMQ address of the engine's KV-event publisher, when known (e.g. "tcp://10.0.0.1:5557").
     kv_events_address: str | None = None
+    # `ip:port`, the endpoint's key everywhere; computed once (it is read many times a request).
+    address: str = field(init=False, compare=False)
 
-    @property
-    def address(self) -> str:
-        return join_host_port(self.ip, self.port)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "address", join_host_port(self.ip, self.port))
 
     @property
     def engine_type(self) -> str | None:

@@ -124,6 +124,7 @@ class SchedulingResult:
     profile_results: Mapping[str, ProfileRunResult | None]
     primary_profile: str
     cycle_state: CycleState = field(default_factory=CycleState, compare=False)
+    timed: bool = False  # whether this request's plugin durations are recorded (a sample)
 
     @property
     def targets(self) -> tuple[EndpointState, ...]:

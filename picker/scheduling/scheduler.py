@@ -9,7 +9,7 @@ construction so a decision pays only for `observe`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from picker.scheduling.decisions import DecisionLog
 
 log = logging.getLogger(__name__)
+
+
+# Plugin timings cost a histogram observation per plugin per request, more than many plugins
+# themselves; one request in PLUGIN_TIMING_SAMPLE is timed (the end-to-end time always is).
+PLUGIN_TIMING_SAMPLE = 8
 
 
 def _timer(extension_point: str, plugin: Plugin):  # noqa: ANN202 - a prometheus child histogram
@@ -61,13 +66,16 @@ class SchedulerProfile:
         self._picker_timer = _timer("Picker", picker)
 
     def run(
-        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState],
+        timed: bool = True,
     ) -> ProfileRunResult | None:
-        """The profile's targets, or None when the filters leave no candidate."""
+        """The profile's targets, or None when the filters leave no candidate; `timed`
+        records each plugin's duration."""
         for plugin, timer in self._filter_steps:
             started = perf_counter()
             candidates = plugin.filter(request, cycle_state, candidates)
-            timer.observe(perf_counter() - started)
+            if timed:
+                timer.observe(perf_counter() - started)
             if not candidates:
                 return None
         candidates = tuple(candidates)
@@ -76,7 +84,8 @@ class SchedulerProfile:
         for plugin, weight, timer in self._scorer_steps:
             started = perf_counter()
             raw = plugin.score(request, cycle_state, candidates)
-            timer.observe(perf_counter() - started)
+            if timed:
+                timer.observe(perf_counter() - started)
             if len(raw) != len(candidates):
                 raise RuntimeError(
                     f"scorer {plugin.name!r} returned {len(raw)} scores for {len(candidates)} candidates"
@@ -88,7 +97,8 @@ class SchedulerProfile:
             ]
         started = perf_counter()
         targets = self.picker.pick(cycle_state, candidates, totals)
-        self._picker_timer.observe(perf_counter() - started)
+        if timed:
+            self._picker_timer.observe(perf_counter() - started)
         return ProfileRunResult(targets, candidates, scores, self._weights, totals)
 
 
@@ -110,6 +120,7 @@ class Scheduler:
         self._producer_steps = tuple((p, _timer("PrepareData", p)) for p in self.producers)
         self._handler_timer = _timer("ProfileHandler", profile_handler)
         self._attempts: dict[tuple[str, str], Any] = {}  # (status, model) → counter child
+        self._cycles = 0
 
     def _count_attempt(self, status: str, model: str) -> None:
         key = (status, model)
@@ -129,8 +140,10 @@ class Scheduler:
             if not candidates:
                 raise RequestError("ServiceUnavailable", "no endpoints available to serve the request")
             cycle_state = CycleState()
-            self._prepare(request, candidates, cycle_state)
-            result = self._run_profiles(request, cycle_state, candidates)
+            self._cycles += 1
+            timed = self._cycles % PLUGIN_TIMING_SAMPLE == 0
+            self._prepare(request, candidates, cycle_state, timed)
+            result = self._run_profiles(request, cycle_state, candidates, timed)
         except RequestError:
             self._count_attempt("failure", request.target_model)
             raise
@@ -140,7 +153,9 @@ class Scheduler:
             self.decision_log.record(request, result)
         return result
 
-    def _prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
+    def _prepare(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState, timed: bool
+    ) -> None:
         # As in the reference, a failing producer is logged and does not fail the request;
         # its consumers then find no data and score 0.
         for producer, timer in self._producer_steps:
@@ -149,10 +164,11 @@ class Scheduler:
                 producer.prepare(request, candidates, cycle_state)
             except Exception:
                 log.exception("data producer %s failed for request %s", producer.name, request.request_id)
-            timer.observe(perf_counter() - started)
+            if timed:
+                timer.observe(perf_counter() - started)
 
     def _run_profiles(
-        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState], timed: bool
     ) -> SchedulingResult:
         handler = self.profile_handler
         results: dict[str, ProfileRunResult | None] = {}
@@ -168,9 +184,10 @@ class Scheduler:
             if not chosen:
                 break
             for name in chosen:
-                results[name] = self.profiles[name].run(request, cycle_state, candidates)
+                results[name] = self.profiles[name].run(request, cycle_state, candidates, timed)
         started = perf_counter()
-        try:
-            return handler.process_results(request, cycle_state, results)
-        finally:
+        result = handler.process_results(request, cycle_state, results)
+        if timed:
             self._handler_timer.observe(handler_seconds + perf_counter() - started)
+            result = replace(result, timed=True)
+        return result

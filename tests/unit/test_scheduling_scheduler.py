@@ -28,7 +28,7 @@ from picker.scheduling.framework import (
 )
 from picker.scheduling.pickers import MaxScorePicker
 from picker.scheduling.profile_handler import SingleProfileHandler
-from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
+from picker.scheduling.scheduler import PLUGIN_TIMING_SAMPLE, Scheduler, SchedulerProfile, WeightedScorer
 from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_E2E
 from tests.unit.test_scheduling_plugins import request, state
 
@@ -117,9 +117,12 @@ def test_schedule_observes_e2e_and_plugin_durations() -> None:
 
     before = count(SCHEDULER_E2E)
     before_scorer = count(PLUGIN_DURATION, extension_point="Scorer", plugin_name="timed")
-    scheduler(WeightedScorer(FixedScorer("timed", [1.0]), 1.0)).schedule(request(), [state(1)])
-    assert count(SCHEDULER_E2E) == before + 1
-    assert count(PLUGIN_DURATION, extension_point="Scorer", plugin_name="timed") == before_scorer + 1
+    s = scheduler(WeightedScorer(FixedScorer("timed", [1.0]), 1.0))
+    results = [s.schedule(request(), [state(1)]) for _ in range(2 * PLUGIN_TIMING_SAMPLE)]
+    # Every request is timed end to end; plugins on one request in PLUGIN_TIMING_SAMPLE.
+    assert count(SCHEDULER_E2E) == before + 2 * PLUGIN_TIMING_SAMPLE
+    assert count(PLUGIN_DURATION, extension_point="Scorer", plugin_name="timed") == before_scorer + 2
+    assert [r.timed for r in results].count(True) == 2
 
 
 def test_burst_with_stale_metrics_spreads_over_endpoints() -> None:
