@@ -111,10 +111,21 @@ class _ModelSeries:
 class Director:
     """Routes parsed requests over the datastore's endpoints with the active scheduler config."""
 
-    def __init__(self, datastore: Datastore, runtimes: RuntimeHolder) -> None:
+    def __init__(self, datastore: Datastore, runtimes: RuntimeHolder, staleness_threshold: float | None = None) -> None:
         self.datastore = datastore
         self.runtimes = runtimes
+        # Seconds after which an endpoint's scraped metrics count as stale; None: never.
+        self.staleness_threshold = staleness_threshold
         self._series: dict[tuple[str, str], _ModelSeries] = {}
+        self._endpoint_series: dict[str, tuple] = {}  # address → (routed counter, in-flight gauge)
+        datastore.add_listener(self._forget_endpoints)
+
+    def _forget_endpoints(self, old: dict, new: dict) -> None:
+        """Drop the metric series of endpoints that left, so churn does not grow them forever."""
+        for address in old.keys() - new.keys():
+            if self._endpoint_series.pop(address, None) is not None:
+                metrics.ROUTED_TOTAL.remove(address)
+                metrics.IN_FLIGHT.remove(address)
 
     def _model_series(self, request: InferenceRequest) -> _ModelSeries:
         key = (request.model, request.target_model)
@@ -131,7 +142,21 @@ class Director:
                 raise RequestError("ServiceUnavailable", "no endpoint in the subset hint is in the pool")
         elif not candidates:
             raise RequestError("ServiceUnavailable", "no ready endpoints in the pool")
-        return candidates
+        return self._fresh_if_any(candidates)
+
+    def _fresh_if_any(self, candidates: list[EndpointState]) -> list[EndpointState]:
+        """The candidates with fresh metrics, or all of them when none is fresh.
+
+        A pod whose scrapes fail (dead, hung, serving garbage) keeps its last metrics, or none,
+        and would look idle to the scorers: a dead pod still listed would draw traffic. When
+        nothing is fresh (no scraping configured, or the whole pool unreachable) every
+        candidate stays, so routing never stops for want of metrics.
+        """
+        if self.staleness_threshold is None:
+            return candidates
+        now = time.monotonic()
+        fresh = [c for c in candidates if c.metrics_age(now) <= self.staleness_threshold]
+        return fresh or candidates
 
     def route_without_body(self, subset: Sequence[str] | None) -> RoutedRequest:
         """Pick for a request that has no body to schedule on (e.g. GET /v1/models)."""
@@ -156,15 +181,24 @@ class Director:
         series.running.inc()
         return RoutedRequest(self, request, targets, tokens, runtime, result)
 
+    def _endpoint_metrics(self, address: str) -> tuple:
+        series = self._endpoint_series.get(address)
+        if series is None:
+            series = self._endpoint_series[address] = (
+                metrics.ROUTED_TOTAL.labels(address), metrics.IN_FLIGHT.labels(address)
+            )
+        return series
+
     def _count(self, primary: str, tokens: int) -> None:
         self.datastore.acquire(primary, tokens)
-        metrics.ROUTED_TOTAL.labels(primary).inc()
-        metrics.IN_FLIGHT.labels(primary).set(self.datastore.in_flight(primary))
+        routed, in_flight = self._endpoint_metrics(primary)
+        routed.inc()
+        in_flight.set(self.datastore.in_flight(primary))
 
     def complete(self, routed: RoutedRequest, error: str | None) -> None:
         primary = routed.targets[0]
         self.datastore.release(primary, routed.tokens)
-        metrics.IN_FLIGHT.labels(primary).set(self.datastore.in_flight(primary))
+        self._endpoint_metrics(primary)[1].set(self.datastore.in_flight(primary))
         request = routed.request
         if request is None:
             return
