@@ -226,6 +226,7 @@ class PickerServer:
                 plugin.start()
         self.collector = self._metrics_collector()
         if self.collector is not None:
+            self.director.staleness_threshold = args.metrics_staleness_threshold
             await self.collector.start()
         bind = args.bind_address
         settings = ExtProcSettings(
