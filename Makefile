@@ -3,8 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test demo bench clean
 
 install: $(STAMP)
 
@@ -15,7 +16,13 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,tokenizers,bench]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# The demo needs less (no test tools, no transformers), so a fresh clone is ready sooner.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $(DEMO_STAMP)
 
 # The e2e tests run a real kube-apiserver (built once from the official Go module and cached in
 # ~/.cache/picker/bin), etcd and helm: tools/install-test-binaries.sh provides them.
@@ -23,11 +30,17 @@ test: install
 	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(BIN)/picker demo
 
+# The full comparison BENCHMARKS.md reports (about 45 minutes on 2 cores).
+SYSTEMS := round-robin,least-request,picker,picker:best,sglang-cache-aware,sglang-round-robin,vllm-router-cache-aware
+BENCH_CONFIGS := --picker-config best=manifests/configs/picker-best.yaml
 bench: install
-	$(BIN)/picker bench --systems round-robin,least-request,picker --workload shared-prefix --out bench-out/shared-prefix
+	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload shared-prefix --duration 60 --out bench-out/shared-prefix
+	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload multi-turn --duration 60 --out bench-out/multi-turn
+	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload data/mooncake-synthetic-trace.jsonl \
+	  --pods 8 --num-gpu-blocks 26700 --time-scale 4 --speed 4 --out bench-out/mooncake
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

@@ -1,0 +1,131 @@
+"""Numbers for one system's run: latency percentiles, throughput, hit ratio, load spread."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from picker.bench.loadgen import RequestResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The `q`-th percentile (0-100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionTime:
+    """The picker's scheduling time per request, from its Prometheus histogram."""
+
+    count: int
+    mean_s: float
+    p50_s: float | None  # upper bound of the bucket holding the median
+    p99_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SystemResult:
+    """One system's measures; `results.json` carries these under the system's name."""
+
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p90_s: float | None
+    e2e_p99_s: float | None
+    output_tokens_per_s: float
+    hit_ratio: float
+    requests: int
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    wall_s: float
+    pods: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> requests, prompt_tokens
+    hotspot: float | None = None  # pods x the busiest pod's share of requests (1.0 = even)
+    decision_time: DecisionTime | None = None
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    ttfts_s: tuple[float, ...] = ()  # every successful request's TTFT, for the CDF plot
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form (without the raw TTFT list, which goes to its own file)."""
+        out = asdict(self)
+        out.pop("ttfts_s")
+        return out
+
+
+def summarize(results: Sequence[RequestResult], num_pods: int, decision_time: DecisionTime | None = None) -> SystemResult:
+    """Aggregate one run's request results."""
+    ok = [r for r in results if r.error is None]
+    failed = [r for r in results if r.error is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    start = min((r.due_s for r in results), default=0.0)
+    end = max((r.due_s + r.e2e_s for r in ok if r.e2e_s is not None), default=start)
+    wall = end - start
+    pods: dict[str, dict[str, int]] = {}
+    for r in ok:
+        if r.pod is not None:
+            entry = pods.setdefault(r.pod, {"requests": 0, "prompt_tokens": 0})
+            entry["requests"] += 1
+            entry["prompt_tokens"] += r.prompt_tokens
+    attributed = sum(p["requests"] for p in pods.values())
+    hotspot = num_pods * max(p["requests"] for p in pods.values()) / attributed if attributed else None
+    kinds = Counter(_error_kind(r.error) for r in failed if r.error is not None)
+    return SystemResult(
+        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90), ttft_p99_s=percentile(ttfts, 99),
+        e2e_p50_s=percentile(e2es, 50), e2e_p90_s=percentile(e2es, 90), e2e_p99_s=percentile(e2es, 99),
+        output_tokens_per_s=output / wall if wall > 0 else 0.0,
+        hit_ratio=cached / prompt if prompt else 0.0,
+        requests=len(ok), errors=len(failed), prompt_tokens=prompt, cached_tokens=cached, output_tokens=output,
+        wall_s=wall, pods=dict(sorted(pods.items())), hotspot=hotspot, decision_time=decision_time,
+        error_kinds=dict(kinds), ttfts_s=tuple(sorted(ttfts)),
+    )
+
+
+def _error_kind(error: str) -> str:
+    return error.split(":", 1)[0]
+
+
+def histogram_decision_time(metrics_text: str, name: str) -> DecisionTime | None:
+    """Read histogram `name` (all label sets summed) from Prometheus text; None if absent."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for line in metrics_text.splitlines():
+        if not line.startswith(name):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if key.startswith(name + "_bucket"):
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            bound = math.inf if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + number
+        elif key.startswith(name + "_sum"):
+            total += number
+        elif key.startswith(name + "_count"):
+            count += number
+    if not count:
+        return None
+    ordered = sorted(buckets.items())
+
+    def quantile(q: float) -> float | None:
+        for bound, cumulative in ordered:
+            if cumulative >= q * count:
+                return None if math.isinf(bound) else bound
+        return None
+
+    return DecisionTime(int(count), total / count, quantile(0.5), quantile(0.99))

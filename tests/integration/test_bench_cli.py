@@ -1,0 +1,120 @@
+"""`picker bench` end to end: real `picker sim`, Envoy, the picker and peer routers, as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from picker.bench.process import wait_until
+
+SMALL = [
+    "--workload", "shared-prefix", "--pods", "2", "--profile", "tiny", "--groups", "4", "--system-prompt-len", "256",
+    "--question-len", "16", "--output-len", "4", "--rate", "10", "--no-plots",
+]
+
+
+def bench(out: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "picker.cli", "bench", "--out", str(out), *SMALL, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def started_pids(out: Path) -> list[int]:
+    path = out / "pids"
+    return [int(line.split()[0]) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def alive_in_groups(pids: list[int]) -> list[int]:
+    """Processes still running whose PID or process group is one the harness started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, pgrp = fields[0], int(fields[2])
+        if state != "Z" and (int(entry.name) in pids or pgrp in pids):
+            found.append(int(entry.name))
+    return found
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"picker bench did not finish:\n{out.decode(errors='replace')}") from None
+    return out.decode(errors="replace")
+
+
+def envoy_upstream_requests(config: Path) -> int:
+    admin = yaml.safe_load(config.read_text())["admin"]["address"]["socket_address"]
+    url = f"http://{admin['address']}:{admin['port_value']}/stats?filter=^cluster.backends.upstream_rq_total$"
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return int(r.read().decode().split(": ")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def test_sigint_mid_run_stops_every_child(tmp_path: Path) -> None:
+    proc = bench(tmp_path, "--systems", "round-robin,least-request", "--duration", "60")
+    try:
+        config = tmp_path / "logs" / "envoy-0-round-robin.yaml"
+        wait_until(lambda: config.exists() and envoy_upstream_requests(config) > 2, 45, "load through Envoy")
+        pids = started_pids(tmp_path)
+        assert len(pids) == 2  # the fleet and Envoy
+        assert alive_in_groups(pids)
+        proc.send_signal(signal.SIGINT)
+        output = finish(proc, 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output
+    assert alive_in_groups(started_pids(tmp_path)) == []
+
+
+def test_short_comparison_writes_results(tmp_path: Path) -> None:
+    proc = bench(tmp_path, "--systems", "round-robin,picker,sglang-round-robin", "--duration", "3")
+    output = finish(proc, 120)
+    assert proc.returncode == 0, output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert 0.5 < results["bound_hit_ratio"] < 1
+    assert set(results["systems"]) == {"round-robin", "picker", "sglang-round-robin"}
+    for name, system in results["systems"].items():
+        assert system["requests"] > 10 and system["errors"] == 0, (name, system)
+        assert 0 < system["hit_ratio"] <= results["bound_hit_ratio"]
+        assert system["ttft_p50_s"] <= system["ttft_p99_s"] <= system["e2e_p50_s"] * 10
+        assert set(system["pods"]) == {"sim-0", "sim-1"}  # from x-inference-pod, through every gateway
+    assert results["systems"]["picker"]["decision_time"]["count"] >= results["systems"]["picker"]["requests"]
+    assert "round-robin" in output and "results.json" in output
+    assert len(started_pids(tmp_path)) == 7  # a fleet and a gateway per system, plus the picker itself
+    assert alive_in_groups(started_pids(tmp_path)) == []
+
+
+def test_a_system_that_cannot_start_is_reported_and_cleaned_up(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+                      "plugins:\n- type: no-such-plugin\n")
+    proc = bench(tmp_path / "out", "--systems", "picker:bad", "--picker-config", f"bad={config}", "--duration", "2")
+    output = finish(proc, 60)
+    assert proc.returncode == 1, output
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["systems"] == {} and "exited early" in results["failures"]["picker:bad"]
+    assert "Traceback" not in output
+    pids = started_pids(tmp_path / "out")
+    assert len(pids) == 2 and alive_in_groups(pids) == []  # the fleet was started, and stopped

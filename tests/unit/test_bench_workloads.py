@@ -1,0 +1,174 @@
+"""Bench workloads: deterministic by seed, exact token counts, faithful Mooncake trace replay."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from picker.bench import workloads as w
+from picker.bench.bound import PrefixBound, infinite_cache_hit_ratio
+from picker.prefix.hashing import token_block_hashes
+from picker.sim.tokenizer import encode
+
+
+def small_trace(tmp_path: Path, conversations: int = 12, turns: int = 4) -> Path:
+    """A Mooncake-format trace shaped like the real one: multi-turn conversations whose turns
+    extend the previous turn's blocks, a few shared "system" blocks, partial last blocks."""
+    rng = random.Random(5)
+    next_id = 100
+    rows = []
+    for c in range(conversations):
+        ids = [c % 3]  # three shared first blocks
+        t = rng.uniform(0, 20_000)
+        for _ in range(turns):
+            fresh = rng.randint(1, 3)
+            ids = ids + list(range(next_id, next_id + fresh))
+            next_id += fresh
+            length = 512 * (len(ids) - 1) + rng.randint(1, 512)
+            rows.append({"timestamp": int(t), "input_length": length, "output_length": rng.randint(0, 9), "hash_ids": ids})
+            t += rng.uniform(500, 4000)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_vocabulary_words_are_one_distinct_token_each() -> None:
+    ids = [encode(word) for word in w.VOCAB]
+    assert all(len(i) == 1 for i in ids)
+    assert len({i[0] for i in ids}) == len(w.VOCAB)
+
+
+@pytest.mark.parametrize(
+    "generate,spec",
+    [
+        (w.shared_prefix, w.SharedPrefixSpec(groups=4, prompts_per_group=3, system_prompt_len=40, question_len=8)),
+        (w.multi_turn, w.MultiTurnSpec(sessions=5, turns=3, system_prompt_len=30, question_len=5, answer_len=4)),
+        (w.long_doc, w.LongDocSpec(documents=3, document_len=50, question_len=6)),
+    ],
+)
+def test_generators_are_deterministic_by_seed(generate, spec) -> None:
+    first = generate(spec, 5.0, 10.0, seed=7)
+    assert first == generate(spec, 5.0, 10.0, seed=7)
+    assert first != generate(spec, 5.0, 10.0, seed=8)
+    starts = [s.start_s for s in first]
+    assert starts == sorted(starts) and all(0 <= t < 10.0 for t in starts)
+
+
+def test_shared_prefix_groups_and_lengths_are_exact() -> None:
+    spec = w.SharedPrefixSpec(groups=3, prompts_per_group=4, system_prompt_len=64, question_len=16, output_len=9)
+    sessions = w.shared_prefix(spec, rate=50.0, duration_s=10.0, seed=1)
+    prompts = list(w.all_prompts(sessions))
+    systems = [p.messages[0][1] for p in prompts]
+    assert all(len(encode(s)) == 64 for s in systems)
+    assert all(len(encode(p.messages[1][1])) == 16 and p.max_tokens == 9 for p in prompts)
+    # Each round of 12 requests holds every group exactly 4 times.
+    first_round = systems[:12]
+    assert sorted(first_round.count(s) for s in set(first_round)) == [4, 4, 4]
+
+
+def test_group_skew_makes_a_few_groups_hot() -> None:
+    spec = w.SharedPrefixSpec(groups=8, system_prompt_len=4, question_len=2, group_skew=1.5)
+    sessions = w.shared_prefix(spec, rate=200.0, duration_s=10.0, seed=4)
+    assert sessions == w.shared_prefix(spec, rate=200.0, duration_s=10.0, seed=4)
+    counts = [n for _, n in Counter(s.turns[0].messages[0] for s in sessions).most_common()]
+    assert counts[0] > 0.35 * len(sessions) > counts[-1] * 10  # Zipf 1.5 over 8 groups: the top one ~ 44%
+
+
+def test_multi_turn_sessions_grow_their_own_history() -> None:
+    spec = w.MultiTurnSpec(sessions=4, turns=3, system_prompt_len=20, question_len=5, answer_len=6, think_time_s=0.5)
+    sessions = w.multi_turn(spec, rate=30.0, duration_s=100.0, seed=3)
+    assert len(sessions) == 4
+    for session in sessions:
+        assert len(session.turns) == 3 and len(session.think_s) == 2
+        for earlier, later in zip(session.turns, session.turns[1:]):
+            assert later.messages[: len(earlier.messages)] == earlier.messages
+            assert later.messages[len(earlier.messages)][0] == "assistant"
+    assert len({s.turns[0].messages[0] for s in sessions}) == 1  # one shared system prompt
+
+
+def test_poisson_rate_is_about_right() -> None:
+    arrivals = list(w.poisson_arrivals(random.Random(0), rate=20.0, duration_s=100.0))
+    assert 1800 < len(arrivals) < 2200
+
+
+def hash_id_bound(records: list[w.TraceRecord]) -> float:
+    """The trace's own bound counted in whole 512-token blocks (full blocks only, never the last token)."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in records:
+        full = (r.input_length - 1) // w.TRACE_BLOCK_TOKENS
+        k = 0
+        while k < min(full, len(r.hash_ids)) and tuple(r.hash_ids[: k + 1]) in seen:
+            k += 1
+        # Only whole blocks are cacheable: a cut-short last block is not (yet) a block.
+        seen.update(tuple(r.hash_ids[: i + 1]) for i in range(r.input_length // w.TRACE_BLOCK_TOKENS))
+        hit += k * w.TRACE_BLOCK_TOKENS
+        total += r.input_length
+    return hit / total
+
+
+def test_trace_replay_reproduces_the_trace_prefix_sharing(tmp_path: Path) -> None:
+    records = w.read_trace(small_trace(tmp_path))
+    sessions = w.trace_replay(records, speed=1.0, duration_s=1e9, seed=0)
+    assert len(sessions) == len(records)
+    chain_of: dict[int, tuple[int, ...]] = {}
+    sent: list[list[int]] = []
+    for record, prompt in zip(sorted(records, key=lambda r: r.timestamp_ms), w.all_prompts(sessions)):
+        tokens = prompt.token_ids()
+        assert len(tokens) == record.input_length
+        sent.append(tokens)
+        # Every full 512-token block chain maps to exactly one hash-id prefix, and back.
+        for i, h in enumerate(token_block_hashes(tokens, w.TRACE_BLOCK_TOKENS, 0)):
+            assert chain_of.setdefault(h, record.hash_ids[: i + 1]) == record.hash_ids[: i + 1]
+    assert len(set(chain_of.values())) == len(chain_of)
+    expected = hash_id_bound(sorted(records, key=lambda r: r.timestamp_ms))
+    assert expected > 0.3  # the trace really shares prefixes
+    assert infinite_cache_hit_ratio(sent, w.TRACE_BLOCK_TOKENS) == pytest.approx(expected, abs=1e-12)
+
+
+def test_trace_replay_speed_and_duration(tmp_path: Path) -> None:
+    records = sorted(w.read_trace(small_trace(tmp_path)), key=lambda r: r.timestamp_ms)
+    fast = w.trace_replay(records, speed=4.0, duration_s=5.0, seed=0)
+    first = records[0].timestamp_ms
+    expected = [(r.timestamp_ms - first) / 4000 for r in records if (r.timestamp_ms - first) / 4000 < 5.0]
+    assert [s.start_s for s in fast] == expected
+    assert 0 < len(fast) < len(records)
+    assert fast[0].turns[0].max_tokens == max(1, records[0].output_length)
+
+
+def test_trace_blocks_depend_only_on_id_and_seed() -> None:
+    assert w.trace_block(42, 0) == w.trace_block(42, 0)
+    assert w.trace_block(42, 0) != w.trace_block(43, 0)
+    assert w.trace_block(42, 0) != w.trace_block(42, 1)
+    text = w.trace_text((5, 6), 600, 0)
+    assert text.split()[:512] == list(w.trace_block(5, 0)) and len(text.split()) == 600
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("not json", "not a Mooncake trace line"),
+        (json.dumps({"timestamp": 0, "input_length": 10}), "not a Mooncake trace line"),
+        (json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}), "does not fit"),
+    ],
+)
+def test_bad_trace_lines_are_named(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=message) as e:
+        w.read_trace(path)
+    assert "bad.jsonl:1" in str(e.value)
+
+
+def test_bound_counts_shared_full_blocks_and_never_the_last_token() -> None:
+    a = list(range(1000, 1048))  # 3 blocks of 16
+    b = a[:32] + list(range(2000, 2020))  # shares 2 blocks
+    assert infinite_cache_hit_ratio([a, b], 16) == pytest.approx(32 / 100)
+    bound = PrefixBound(16)
+    bound.add(a)
+    bound.add(a)  # identical prompt: the last block is recomputed, as the engine does
+    assert bound.hit_tokens == 32 and bound.ratio == pytest.approx(32 / 96)
