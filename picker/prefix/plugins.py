@@ -128,7 +128,7 @@ class PrefixConfig:
     max_prefix_tokens: int = 0
     lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY
     max_token_blocks: int = 4096
-    max_load_factor: float = 2.0
+    max_load_factor: float = 0.0
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     token_cache_tokens: int = DEFAULT_CAPACITY_TOKENS
 
@@ -146,7 +146,7 @@ class PrefixConfig:
             max_prefix_tokens=p.integer("maxPrefixTokensToMatch", 0, at_least=0),
             lru_capacity_per_server=p.integer("lruCapacityPerServer", DEFAULT_LRU_CAPACITY, at_least=1),
             max_token_blocks=p.integer("maxTokenBlocksToMatch", 4096, at_least=1),
-            max_load_factor=p.number("maxLoadFactor", 2.0, at_least=0),
+            max_load_factor=p.number("maxLoadFactor", 0.0, at_least=0),
             tokenizers=_tokenizer_specs(p.mapping("tokenizers")),
             token_cache_tokens=p.integer("tokenCacheTokens", DEFAULT_CAPACITY_TOKENS, at_least=1),
         )
@@ -190,7 +190,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
       the key `*` applies to every other model. Those models hash token blocks.
     - `maxTokenBlocksToMatch` (4096): the cap for token blocks (`maxPrefixTokensToMatch`
       also applies when set).
-    - `maxLoadFactor` (2.0; 0 turns it off): the hot-spot bound (`picker.prefix.hotspot`).
+    - `maxLoadFactor` (off by default, so reference configs keep their meaning; e.g. 2.0): the
+      hot-spot bound (`picker.prefix.hotspot`).
     - `tokenCacheTokens` (4,000,000): capacity of the tokenized-prefix cache.
     """
 
@@ -210,7 +211,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         self.index = index
         self.hasher = hasher
         self.ttft = ttft
-        self._pending: OrderedDict[str, PromptBlocks | None] = OrderedDict()
+        self._pending: OrderedDict[int, PromptBlocks | None] = OrderedDict()  # by id(request): request ids come from clients and may repeat
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
@@ -252,7 +253,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         if not self.hasher.needs_tokenizing(request):
             return
         blocks = await self.hasher.hash_async(request, self.config.sizing(candidates))
-        self._pending[request.request_id] = blocks
+        self._pending[id(request)] = blocks
         while len(self._pending) > _PENDING_LIMIT:
             self._pending.popitem(last=False)
 
@@ -262,8 +263,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         candidates: Sequence[EndpointState],
         cycle_state: CycleState,
     ) -> None:
-        if request.request_id in self._pending:
-            blocks = self._pending.pop(request.request_id)
+        if id(request) in self._pending:
+            blocks = self._pending.pop(id(request))
         else:
             blocks = self.hasher.hash(request, self.config.sizing(candidates))
         if blocks is None:
@@ -326,7 +327,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         PREFIX_EXPECTED_CACHED_TOKENS.labels(model, address).inc(min(expected, usage.prompt_tokens))
         PREFIX_SAVED_PREFILL_TOKENS.labels(model, address).inc(cached)
         PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(
-            cached / self.ttft.rates(address).prefill_tokens_per_second
+            cached / self.ttft.prefill_rate(address)
         )
         if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
             self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)

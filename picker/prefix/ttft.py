@@ -5,16 +5,24 @@ For endpoint *e* and a prompt of *P* tokens of which *C* are cached there:
     ttft(e) = overhead + work_ahead(e) / drain_rate(e) + (P − C) / prefill_rate(e)
 
 `work_ahead(e)` is the prefill work queued in front of the request, in tokens: the larger of
-the scraped waiting queue times the endpoint's typical uncached prompt, and the picker's own
-*backlog*, a fluid queue that grows by each request's uncached tokens at pick time and drains
-at `drain_rate` (so requests the last scrape does not show yet still count, without double
-counting them once it does).
+the waiting requests times the endpoint's typical uncached prompt (waiting = the scrape's count,
+or the picker's in-flight requests beyond the scraped running ones, whichever is larger), and
+the picker's own *backlog*, a fluid queue that grows by each request's uncached tokens at pick
+time and drains at `drain_rate` (so requests the last scrape does not show yet still count,
+without double counting them once it does). The drain rate never exceeds the prefill rate.
 
-Rates are learnt per endpoint from observed TTFTs (`ResponseOutcome.ttft_seconds` and usage
-prompt/cached tokens) with an EWMA, starting from priors. A sample updates the prefill rate
-when the queue was negligible at pick time (its TTFT is nearly all prefill) and the drain rate
-when the queue dominated; mixed samples only feed the typical prompt size. Each sample moves a
-rate by at most ×4 (a stall or a burst must not swing it wildly).
+Rates are learnt from observed TTFTs (`ResponseOutcome.ttft_seconds` and usage prompt/cached
+tokens) with an EWMA, starting from priors. A sample updates the prefill rate when the queue was
+negligible at pick time (its TTFT is nearly all prefill); otherwise the drain rate, scaled by
+predicted / observed TTFT (the queue and prefill shares are not observed apart). Each sample
+moves a rate by at most ×4 (a stall or a burst must not swing it wildly); the first samples are
+averaged (EWMA weight 1/n until it reaches `ewma_alpha`), so a poor prior is soon forgotten.
+
+Every sample teaches both its endpoint and the pool (an InferencePool's servers usually share
+hardware). An endpoint's rate is its own estimate shrunk towards the pool's, weighted by its
+sample count (`n / (n + POOL_SHRINK_SAMPLES)`). Learning each endpoint alone feeds back on
+itself: the endpoint that happened to learn a fast rate first looks cheapest, gets the traffic
+and the samples, while the others keep their slow prior and stay idle.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from picker.datastore.endpoint import EndpointState
 
 MIN_SAMPLE_TOKENS = 32  # smaller prefills are dominated by noise
 SAMPLE_CLAMP = 4.0
+POOL_SHRINK_SAMPLES = 16.0  # an endpoint's own samples count half once it has this many
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,26 +84,41 @@ class TtftModel:
         self.priors = priors or TtftPriors()
         self._clock = clock
         self._rates: dict[str, EndpointRates] = {}
+        self.pool = self._new_rates()
+
+    def _new_rates(self) -> EndpointRates:
+        p = self.priors
+        return EndpointRates(p.prefill_tokens_per_second, p.drain_tokens_per_second, p.typical_prompt_tokens)
 
     def set_priors(self, priors: TtftPriors) -> None:
         """New priors apply to endpoints with no samples yet (learnt rates are kept)."""
         self.priors = priors
-        for rates in self._rates.values():
+        for rates in (self.pool, *self._rates.values()):
             if not rates.prefill_samples:
                 rates.prefill_tokens_per_second = priors.prefill_tokens_per_second
             if not rates.drain_samples:
                 rates.drain_tokens_per_second = priors.drain_tokens_per_second
 
     def rates(self, endpoint: str) -> EndpointRates:
+        """What `endpoint` alone has learnt (plus its backlog); see `prefill_rate`/`drain_rate`."""
         rates = self._rates.get(endpoint)
         if rates is None:
-            p = self.priors
-            rates = self._rates[endpoint] = EndpointRates(
-                p.prefill_tokens_per_second,
-                p.drain_tokens_per_second,
-                p.typical_prompt_tokens,
-            )
+            rates = self._rates[endpoint] = self._new_rates()
         return rates
+
+    def prefill_rate(self, endpoint: str) -> float:
+        """Prefill tokens/s at `endpoint`: its own estimate shrunk towards the pool's."""
+        rates = self.rates(endpoint)
+        return _shrunk(rates.prefill_tokens_per_second, rates.prefill_samples, self.pool.prefill_tokens_per_second)
+
+    def drain_rate(self, endpoint: str) -> float:
+        """Queued prefill tokens/s `endpoint` works off: its own estimate shrunk towards the pool's,
+        and never above its prefill rate (decoding alongside only slows the queue down). An
+        overestimate would drain the backlog at once and let every request herd onto the
+        endpoint the last scrape showed idle."""
+        rates = self.rates(endpoint)
+        drain = _shrunk(rates.drain_tokens_per_second, rates.drain_samples, self.pool.drain_tokens_per_second)
+        return min(drain, self.prefill_rate(endpoint))
 
     def forget(self, endpoints: Iterable[str]) -> None:
         for endpoint in endpoints:
@@ -105,16 +129,21 @@ class TtftModel:
         rates = self.rates(endpoint)
         now = self._clock() if now is None else now
         if rates.backlog_tokens > 0.0:
-            drained = (now - rates.backlog_time) * rates.drain_tokens_per_second
+            drained = (now - rates.backlog_time) * self.drain_rate(endpoint)
             rates.backlog_tokens = max(0.0, rates.backlog_tokens - drained)
         rates.backlog_time = now
         return rates.backlog_tokens
 
     def work_ahead(self, state: EndpointState, now: float | None = None) -> float:
-        """Prefill tokens queued in front of a new request at `state`'s endpoint."""
+        """Prefill tokens queued in front of a new request at `state`'s endpoint.
+
+        The waiting count is the scrape's, or the picker's own in-flight requests beyond the
+        scraped running ones when that is larger (the scrape lags behind a burst of picks).
+        """
         rates = self.rates(state.address)
-        scraped = state.metrics.waiting_queue_size * rates.typical_prompt_tokens
-        return max(scraped, self.backlog(state.address, now))
+        metrics = state.metrics
+        waiting = max(metrics.waiting_queue_size, state.in_flight_requests - metrics.running_requests_size)
+        return max(waiting * rates.typical_prompt_tokens, self.backlog(state.address, now))
 
     def estimate(
         self,
@@ -123,12 +152,11 @@ class TtftModel:
         cached_tokens: int,
         now: float | None = None,
     ) -> TtftEstimate:
-        rates = self.rates(state.address)
         ahead = self.work_ahead(state, now)
         uncached = max(0, prompt_tokens - cached_tokens)
         return TtftEstimate(
-            ahead / rates.drain_tokens_per_second,
-            uncached / rates.prefill_tokens_per_second,
+            ahead / self.drain_rate(state.address),
+            uncached / self.prefill_rate(state.address),
             self.priors.overhead_seconds,
             ahead,
             uncached,
@@ -149,28 +177,42 @@ class TtftModel:
     ) -> None:
         """Learn from one request's observed TTFT (work ahead as estimated at pick time)."""
         rates = self.rates(endpoint)
-        alpha = self.priors.ewma_alpha
         uncached = max(0, prompt_tokens - cached_tokens)
         if prompt_tokens > 0:
-            rates.typical_prompt_tokens += alpha * (uncached - rates.typical_prompt_tokens)
+            rates.typical_prompt_tokens += self.priors.ewma_alpha * (uncached - rates.typical_prompt_tokens)
         residual = ttft_seconds - self.priors.overhead_seconds
         if residual <= 0.0:
             return
-        queue_part = work_ahead_tokens / rates.drain_tokens_per_second
-        prefill_part = uncached / rates.prefill_tokens_per_second
+        queue_part = work_ahead_tokens / self.drain_rate(endpoint)
+        prefill_part = uncached / self.prefill_rate(endpoint)
         if uncached >= MIN_SAMPLE_TOKENS and queue_part <= 0.1 * prefill_part:
             sample = uncached / max(residual - queue_part, 1e-6)
-            rates.prefill_tokens_per_second = _ewma(rates.prefill_tokens_per_second, sample, alpha)
-            rates.prefill_samples += 1
-        elif work_ahead_tokens >= MIN_SAMPLE_TOKENS and queue_part >= prefill_part:
-            sample = work_ahead_tokens / max(residual - prefill_part, 1e-6)
-            rates.drain_tokens_per_second = _ewma(rates.drain_tokens_per_second, sample, alpha)
-            rates.drain_samples += 1
+            for learner in (rates, self.pool):
+                learner.prefill_tokens_per_second = self._ewma(
+                    learner.prefill_tokens_per_second, sample, learner.prefill_samples
+                )
+                learner.prefill_samples += 1
+        elif work_ahead_tokens >= MIN_SAMPLE_TOKENS:
+            # The queue share of the TTFT is not observed apart from the prefill: scale the drain
+            # rate by predicted / observed. Overestimating the queue then raises the drain rate,
+            # which drains the backlog faster (and vice versa), so the model corrects itself.
+            sample = self.drain_rate(endpoint) * (queue_part + prefill_part) / residual
+            for learner in (rates, self.pool):
+                learner.drain_tokens_per_second = self._ewma(
+                    learner.drain_tokens_per_second, sample, learner.drain_samples
+                )
+                learner.drain_samples += 1
+
+    def _ewma(self, current: float, sample: float, samples: int) -> float:
+        """One EWMA step, weight 1/(n+1) for the first samples (a running mean), then `ewma_alpha`."""
+        alpha = max(self.priors.ewma_alpha, 1.0 / (samples + 1))
+        sample = min(max(sample, current / SAMPLE_CLAMP), current * SAMPLE_CLAMP)
+        return current + alpha * (sample - current)
 
 
-def _ewma(current: float, sample: float, alpha: float) -> float:
-    sample = min(max(sample, current / SAMPLE_CLAMP), current * SAMPLE_CLAMP)
-    return current + alpha * (sample - current)
+def _shrunk(own: float, samples: int, pool: float) -> float:
+    weight = samples / (samples + POOL_SHRINK_SAMPLES)
+    return weight * own + (1.0 - weight) * pool
 
 
 def ttft_scores(estimates: list[TtftEstimate]) -> list[float]:

@@ -217,7 +217,7 @@ def test_async_preparation_is_used_by_prepare_and_token_hashes_are_shared() -> N
         messages=(Message("system", PROMPT), Message("user", "hi")),
     )
     asyncio.run(producer.prepare_async(chat, store.snapshot()))
-    prepared = producer._pending[chat.request_id]
+    prepared = producer._pending[id(chat)]
     result = scheduler.schedule(chat, store.snapshot())
     assert result.cycle_state[PROMPT_BLOCKS_KEY] is prepared and prepared is not None
     assert prepared.kind == TOKENS and prepared.block_tokens == 16

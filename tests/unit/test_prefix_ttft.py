@@ -111,7 +111,7 @@ def test_prefill_and_drain_rates_are_learnt_from_observed_ttft() -> None:
             overhead_seconds=0.01,
         )
     )
-    true_prefill, true_drain = 2000.0, 8000.0
+    true_prefill, true_drain = 8000.0, 2000.0  # decoding alongside slows the queue down
     for i in range(60):  # idle endpoint: TTFT is overhead + prefill of the uncached tokens
         prompt, cached = 1000 + 37 * (i % 7), 200
         model.observe(CACHED, 0.01 + (prompt - cached) / true_prefill, prompt, cached, 0.0)
@@ -129,3 +129,70 @@ def test_outliers_move_a_rate_by_a_bounded_step() -> None:
     model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, ewma_alpha=1.0))
     model.observe(CACHED, 1e-3 + 0.01, 10000, 0, 0.0)  # an impossible 10M tokens/s
     assert model.rates(CACHED).prefill_tokens_per_second == pytest.approx(20000.0)
+
+
+def test_a_poor_prior_is_forgotten_within_a_few_samples() -> None:
+    # Prior 5000 tokens/s, true 40000: the first samples average (weight 1/n), each step
+    # bounded by x4, so a handful of responses suffice instead of dozens at the EWMA weight.
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, overhead_seconds=0.0, ewma_alpha=0.2))
+    for _ in range(6):
+        model.observe(CACHED, 8000 / 40000.0, 8000, 0, 0.0)
+    assert model.prefill_rate(CACHED) == pytest.approx(40000.0, rel=0.1)  # a fixed 0.2 weight: ~27000
+
+
+def test_endpoints_without_samples_use_the_pools_learnt_rate() -> None:
+    # Learning each endpoint alone feeds back on itself: the one that learnt a fast rate first
+    # would look cheapest forever while the others keep the slow prior. Samples teach the pool.
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, overhead_seconds=0.0))
+    for _ in range(20):
+        model.observe(CACHED, 4000 / 20000.0, 4000, 0, 0.0)
+    assert model.prefill_rate(IDLE) == pytest.approx(20000.0, rel=0.05)
+    assert model.rates(IDLE).prefill_samples == 0
+    cold, learnt = (model.estimate(_state(a), 4000, 0) for a in (IDLE, CACHED))
+    assert cold.prefill_seconds == pytest.approx(learnt.prefill_seconds, rel=0.05)
+
+
+def test_an_endpoints_own_rate_wins_as_its_samples_accumulate() -> None:
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=10000.0, overhead_seconds=0.0))
+    for _ in range(200):  # the pool: most samples from fast endpoints
+        model.observe(IDLE, 4000 / 10000.0, 4000, 0, 0.0)
+    slow = "10.0.0.3:8000"
+    for _ in range(100):  # one endpoint is half as fast
+        model.observe(slow, 4000 / 5000.0, 4000, 0, 0.0)
+    assert model.rates(slow).prefill_tokens_per_second == pytest.approx(5000.0, rel=0.02)
+    assert 5000.0 < model.prefill_rate(slow) < 6000.0  # 100 own samples against 16 of shrinkage
+    assert model.prefill_rate(IDLE) > 9000.0
+
+
+def test_an_overestimated_queue_raises_the_drain_rate_until_predictions_match() -> None:
+    # The queue and prefill shares of a TTFT are not observed apart; scaling the drain rate by
+    # predicted / observed converges on the true rate even from queue-and-prefill mixes.
+    model = TtftModel(
+        TtftPriors(prefill_tokens_per_second=8000.0, drain_tokens_per_second=1000.0, overhead_seconds=0.0)
+    )
+    model.observe(IDLE, 0.5, 4000, 0, 0.0)  # pins the prefill rate: 8000 tokens/s
+    true_drain = 6000.0
+    for i in range(80):
+        ahead, prompt = 3000.0 + 400 * (i % 6), 2000
+        model.observe(CACHED, ahead / true_drain + prompt / 8000.0, prompt, 0, ahead)
+    assert model.drain_rate(CACHED) == pytest.approx(true_drain, rel=0.05)
+    estimate = model.estimate(_state(CACHED, waiting=0), 2000, 0)
+    assert estimate.prefill_seconds == pytest.approx(2000 / 8000.0, rel=0.05)
+
+
+def test_the_drain_rate_never_exceeds_the_prefill_rate() -> None:
+    # A queue cannot drain faster than the engine prefills; an overestimate would empty the
+    # backlog at once and let requests herd onto whichever endpoint the last scrape showed idle.
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=4000.0, drain_tokens_per_second=50000.0))
+    assert model.drain_rate(CACHED) == 4000.0
+
+
+def test_in_flight_requests_beyond_the_scraped_running_ones_count_as_waiting() -> None:
+    model = TtftModel(TtftPriors(typical_prompt_tokens=1000.0))
+    ip, port = CACHED.split(":")
+    state = EndpointState(
+        Endpoint(ip, int(port)),
+        EndpointMetrics(waiting_queue_size=1, running_requests_size=4, update_time=1.0),
+        in_flight_requests=9,  # picked since the scrape: 5 more than it shows running
+    )
+    assert model.work_ahead(state) == 5000.0

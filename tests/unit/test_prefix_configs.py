@@ -1,0 +1,39 @@
+"""The EndpointPickerConfig files the project ships for prefix-cache-aware routing load and
+mean what their names say (they are the baselines and the tuned config of BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from picker.config.loader import LoadedConfig, build, parse_file
+from picker.prefix.plugins import ApproxPrefixCacheProducer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "manifests" / "configs"
+
+
+def _weights(loaded: LoadedConfig) -> dict[str, float]:
+    (profile,) = loaded.config.scheduling_profiles
+    return {ref.plugin_ref: ref.weight for ref in profile.plugins if ref.plugin_ref != "max-score-picker"}
+
+
+def _parameters(loaded: LoadedConfig, name: str) -> dict[str, Any]:
+    (plugin,) = (p for p in loaded.config.plugins if p.name == name)
+    return dict(plugin.parameters)
+
+
+def test_reference_approx_is_the_reference_default_on_character_blocks() -> None:
+    loaded = build(parse_file(CONFIGS / "reference-approx.yaml"))
+    assert _weights(loaded) == {"queue-scorer": 2.0, "kv-cache-utilization-scorer": 2.0, "prefix-cache-scorer": 3.0}
+    producer = _parameters(loaded, "approx-prefix-cache-producer")
+    assert "tokenizers" not in producer  # character blocks, as the reference hashes
+    assert producer["maxLoadFactor"] == 0  # the reference has no hot-spot bound
+    assert (producer["blockSizeTokens"], producer["maxPrefixBlocksToMatch"]) == (16, 256)
+
+
+def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
+    loaded = build(parse_file(CONFIGS / "picker-best.yaml"))
+    assert _weights(loaded) == {"ttft-cost-scorer": 3.0, "prefix-cache-scorer": 1.0, "queue-scorer": 1.0}
+    assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
+    producers = [p for p in loaded.plugins.values() if isinstance(p, ApproxPrefixCacheProducer)]
+    assert len(producers) == 1 and producers[0].config.max_load_factor == 0
