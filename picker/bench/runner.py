@@ -94,8 +94,8 @@ def _measure(
     spec: SystemSpec, plan: BenchPlan, fleet: FleetOptions, launcher: Launcher, tag: str, requests: int
 ) -> SystemResult:
     """One system: a cold fleet, the system in front of it, the whole workload, the numbers."""
-    _, backends = start_fleet(fleet, launcher, tag)
-    gateway = start_system(spec, backends, launcher, tag)
+    _, pods = start_fleet(fleet, launcher, tag)
+    gateway = start_system(spec, pods, launcher, tag)
     options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
     counters = Progress(requests)
 

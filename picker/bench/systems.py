@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
 from picker.bench.process import ManagedProcess, free_port, port_open
 from picker.bench.stats import DecisionTime, histogram_decision_time
@@ -116,6 +118,7 @@ class FleetOptions:
             "--base-port", str(self.base_port), "--model", self.model, "--profile", self.profile,
             "--time-scale", str(self.time_scale), "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
             "--max-model-len", str(self.max_model_len), "--tokenizer", "builtin",
+            "--kv-events-base-port", "0",  # every system gets the same fleet; only the precise scorer listens
         ]
         if self.num_gpu_blocks:
             argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
@@ -124,14 +127,44 @@ class FleetOptions:
         return argv
 
 
-def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[ManagedProcess, list[str]]:
-    """Start a cold `picker sim` fleet; return it and its pods' `ip:port` addresses."""
+@dataclass(frozen=True, slots=True)
+class FleetPod:
+    """One started `picker sim` pod, as its ready line names it."""
+
+    name: str
+    address: str  # ip:port
+    kv_events_address: str | None = None  # tcp://ip:port of its KV-event publisher
+
+    @classmethod
+    def parse(cls, line: str) -> FleetPod:
+        """`pod <name> http://<ip>:<port>[ kv-events tcp://...][ replay tcp://...]`."""
+        words = line.split()
+        if len(words) < 3 or words[0] != "pod" or len(words) % 2 == 0:
+            raise RuntimeError(f"picker sim printed an unexpected pod line: {line!r}")
+        extras = dict(zip(words[3::2], words[4::2]))
+        return cls(words[1], words[2].removeprefix("http://"), extras.get("kv-events"))
+
+
+def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[ManagedProcess, list[FleetPod]]:
+    """Start a cold `picker sim` fleet; return it and its pods."""
     sim = launcher.start(ManagedProcess(f"sim-{tag}", options.argv(), launcher.log_dir))
     sim.wait_ready(lambda: "ready" in _lines(sim.log_path), timeout=60)
-    pods = [line.split()[2] for line in _lines(sim.log_path) if line.startswith("pod ")]
+    pods = [FleetPod.parse(line) for line in _lines(sim.log_path) if line.startswith("pod ")]
     if len(pods) != options.pods:
         raise RuntimeError(f"picker sim reported {len(pods)} pods, expected {options.pods}")
-    return sim, [p.removeprefix("http://") for p in pods]
+    return sim, pods
+
+
+def write_endpoints_file(pods: Sequence[FleetPod], path: Path) -> Path:
+    """The `picker serve --endpoints-file` list for `pods`, with each pod's KV-event publisher."""
+    entries = []
+    for pod in pods:
+        entry = {"address": pod.address, "name": pod.name}
+        if pod.kv_events_address:
+            entry["kvEventsAddress"] = pod.kv_events_address
+        entries.append(entry)
+    path.write_text(yaml.safe_dump(entries, sort_keys=False))
+    return path
 
 
 def _lines(path: Path) -> list[str]:
@@ -167,9 +200,10 @@ class Gateway:
             return None
 
 
-def start_system(spec: SystemSpec, backends: Sequence[str], launcher: Launcher, tag: str) -> Gateway:
-    """Start `spec` in front of `backends` and wait until it accepts requests."""
+def start_system(spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str) -> Gateway:
+    """Start `spec` in front of `pods` and wait until it accepts requests."""
     log_dir = launcher.log_dir
+    backends = [pod.address for pod in pods]
     admin = (HOST, free_port())
     listen = (HOST, free_port())
     if spec.kind in ("round-robin", "least-request"):
@@ -180,7 +214,8 @@ def start_system(spec: SystemSpec, backends: Sequence[str], launcher: Launcher, 
     if spec.kind == "picker":
         grpc, health, metrics = free_port(), free_port(), free_port()
         argv = [
-            sys.executable, "-m", "picker.cli", "serve", "--endpoints", ",".join(backends),
+            sys.executable, "-m", "picker.cli", "serve",
+            "--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml")),
             "--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics),
             "--bind-address", HOST, "--secure-serving=false",
         ]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from picker.config.loader import LoadedConfig, build, parse_file
+from picker.kvevents.plugins import PreciseScorer
 from picker.prefix.plugins import ApproxPrefixCacheProducer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "manifests" / "configs"
@@ -37,3 +38,13 @@ def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
     producers = [p for p in loaded.plugins.values() if isinstance(p, ApproxPrefixCacheProducer)]
     assert len(producers) == 1 and producers[0].config.max_load_factor == 0
+
+
+def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publishers() -> None:
+    loaded = build(parse_file(CONFIGS / "picker-precise.yaml"))
+    assert _weights(loaded) == {"ttft-cost-scorer": 3.0, "precise-prefix-cache-scorer": 2.0, "queue-scorer": 1.0}
+    assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
+    (scorer,) = (p for p in loaded.plugins.values() if isinstance(p, PreciseScorer))
+    config = scorer.runtime.config
+    assert config.block_size == 16  # picker sim's KV block size: the producer's hashes are used as they are
+    assert config.subscriber.port is None  # only endpoints whose entry names a kvEventsAddress
