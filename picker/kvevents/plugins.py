@@ -35,13 +35,14 @@ from typing import Any
 from picker.datastore.endpoint import EndpointState
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.prefix.hashing import token_block_hashes
-from picker.prefix.plugins import PROMPT_BLOCKS_KEY
+from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
 from picker.prefix.precise import PreciseIndex, TierWeights
 from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 from picker.request.model import InferenceRequest
 from picker.scheduling.framework import (
     BackgroundWork,
     CycleState,
+    DataProducer,
     Handle,
     PreRequest,
     SchedulingResult,
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _SHARED_KEY = "kvevents/precise-index"
 _HASHES_KEY = "precise-prefix-cache-scorer/hashes"
+_SCORES_KEY = "precise-prefix-cache-scorer/scores"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,12 +135,13 @@ class PreciseRuntime:
         loop.create_task(subscriber.stop())
 
 
-class PreciseScorer(Scorer, PreRequest, BackgroundWork):
+class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
     """`precise-prefix-cache-scorer`: see the module docstring."""
 
     plugin_type = "precise-prefix-cache-scorer"
     category = ScorerCategory.AFFINITY
     consumes = frozenset({PROMPT_BLOCKS_KEY})
+    produces = frozenset({ENGINE_CACHED_TOKENS_KEY})
 
     def __init__(self, name: str, runtime: PreciseRuntime) -> None:
         super().__init__(name)
@@ -169,16 +172,30 @@ class PreciseScorer(Scorer, PreRequest, BackgroundWork):
             runtime = holder["runtime"] = PreciseRuntime(config, index, subscriber)
         return cls(name, runtime)
 
-    def score(
-        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
-    ) -> list[float]:
+    def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
+        """Match the request once, before scoring, so that other plugins (the TTFT cost model)
+        can use what the engines really hold: `{address: cached prompt tokens}`."""
         self.runtime.ensure_started()
         hashes = self.block_hashes(cycle_state)
         if not hashes:
-            return [0.0] * len(candidates)
+            return
         if self.runtime.config.auto_tune:
             self._tune_capacity(candidates)
-        return self.index.score(hashes, [c.address for c in candidates])
+        scores = self.index.score(hashes, [c.address for c in candidates])
+        cycle_state[_SCORES_KEY] = scores
+        tokens = len(hashes) * self.index.block_size
+        cycle_state[ENGINE_CACHED_TOKENS_KEY] = {c.address: int(s * tokens) for c, s in zip(candidates, scores)}
+
+    def score(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[float]:
+        scores = cycle_state.get(_SCORES_KEY)
+        if scores is None or len(scores) != len(candidates):  # no prompt blocks, or filters ran since
+            hashes = self.block_hashes(cycle_state)
+            if not hashes:
+                return [0.0] * len(candidates)
+            scores = self.index.score(hashes, [c.address for c in candidates])
+        return scores
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         targets = result.targets

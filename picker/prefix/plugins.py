@@ -72,6 +72,9 @@ if TYPE_CHECKING:
 PREFIX_MATCH_KEY = "PrefixCacheMatchInfo"
 PROMPT_BLOCKS_KEY = "PromptBlocks"
 PREDICTED_TTFT_KEY = "PredictedTTFT"  # {address: TtftEstimate}, for the decision explain log
+# {address: prompt tokens an engine reported cached}, from the KV-event (precise) index when one
+# is configured; the TTFT model prefers it to the approximate index's guess.
+ENGINE_CACHED_TOKENS_KEY = "EngineCachedTokens"
 _PICK_KEY = "approx-prefix-cache-producer/pick"
 PREFILL_PROFILE = "prefill"
 _PENDING_LIMIT = 4096  # async results awaiting their prepare(); bounded if a cycle never runs
@@ -419,9 +422,13 @@ class TtftCostScorer(Scorer):
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
         match = cycle_state.get(PREFIX_MATCH_KEY)
+        engine_cached = cycle_state.get(ENGINE_CACHED_TOKENS_KEY)
         if isinstance(match, PrefixMatch):
             prompt_tokens = match.blocks.prompt_tokens
-            cached = [match.cached_tokens(c.address) for c in candidates]
+            if engine_cached is not None:
+                cached = [engine_cached.get(c.address, 0) for c in candidates]
+            else:
+                cached = [match.cached_tokens(c.address) for c in candidates]
         else:
             prompt_tokens = request.estimated_prompt_tokens()
             cached = [0] * len(candidates)

@@ -13,12 +13,14 @@ from prometheus_client import REGISTRY
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.prefix.plugins import (
+    ENGINE_CACHED_TOKENS_KEY,
     PREFIX_MATCH_KEY,
     PROMPT_BLOCKS_KEY,
     TTFT_MODEL_KEY,
     ApproxPrefixCacheProducer,
     PrefixCacheScorer,
     PrefixMatch,
+    TtftCostScorer,
 )
 from picker.prefix.prompt_blocks import CHARS, TOKENS
 from picker.prefix.ttft import TtftModel
@@ -401,3 +403,25 @@ def test_responses_teach_the_ttft_model_the_endpoints_prefill_rate() -> None:
     rates = model.rates(address)
     assert rates.prefill_samples == 30
     assert rates.prefill_tokens_per_second == pytest.approx(2000, rel=0.05)
+
+
+def test_the_ttft_model_trusts_engine_reported_cache_over_the_approximate_guess() -> None:
+    """With a KV-event index configured, what the engines report (ENGINE_CACHED_TOKENS_KEY)
+    replaces the approximate index's guess: an engine that evicted the prefix is not 'cached'."""
+    store = _store(ADDRESSES[:2])
+    producer = _producer(Handle(store), tokenizers={"m": "builtin"})
+    ttft = TtftCostScorer("ttft-cost-scorer", TtftModel())
+    scheduler = _scheduler(producer)
+    first = _completion("t1", PROMPT)
+    producer.pre_request(first, scheduler.schedule(first, store.snapshot()))
+    request = _completion("t2", PROMPT + "and more")
+    result = scheduler.schedule(request, store.snapshot())
+    candidates = result.profile_results["default"].candidates
+    guessed = result.targets[0].address  # where the approximate index believes the prefix is
+    other = next(c.address for c in candidates if c.address != guessed)
+    state = result.cycle_state
+    assert ttft.score(request, state, candidates)[[c.address for c in candidates].index(guessed)] == 1.0
+    prompt = state[PROMPT_BLOCKS_KEY].prompt_tokens
+    state[ENGINE_CACHED_TOKENS_KEY] = {guessed: 0, other: prompt}  # the engines say otherwise
+    scores = dict(zip([c.address for c in candidates], ttft.score(request, state, candidates)))
+    assert scores[other] == 1.0 and scores[guessed] < 1.0
