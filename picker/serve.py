@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-health-port", type=int, default=9003, help="gRPC health port (default 9003)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to")
+    p.add_argument("--shutdown-delay", type=parse_duration, default=0.0,
+                   help="after SIGTERM, report NOT_SERVING but keep serving this long, so proxies and "
+                        "Kubernetes stop sending new requests first (e.g. 5s)")
+    p.add_argument("--shutdown-grace", type=parse_duration, default=2.0,
+                   help="then let requests in flight finish for up to this long (e.g. 120s for long streams)")
     src = p.add_argument_group("endpoints")
     src.add_argument("--endpoints", help="static endpoints: ip:port,ip:port,...")
     src.add_argument("--endpoints-file", help="YAML list of endpoints, re-read when it changes")
@@ -129,6 +134,7 @@ class PickerServer:
         self.runtimes = RuntimeHolder(self.datastore, self.decisions)
         self.director = Director(self.datastore, self.runtimes)
         self.config_watch: asyncio.Task[None] | None = None
+        self.draining = False
         self.endpoint_file: EndpointFile | None = None
         self.discovery = None
         self.collector: MetricsCollector | None = None
@@ -244,7 +250,7 @@ class PickerServer:
             self.grpc_server.add_insecure_port(address)
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(
-            HealthServicer(lambda: self.datastore.synced), self.health_server
+            HealthServicer(lambda: self.datastore.synced and not self.draining), self.health_server
         )
         self.health_server.add_insecure_port(f"{bind}:{args.grpc_health_port}")
         decisions = self.decisions.entries if self.decisions is not None else None
@@ -258,6 +264,14 @@ class PickerServer:
             args.metrics_port, len(self.datastore.endpoints()),
         )
 
+    async def drain(self) -> None:
+        """Report NOT_SERVING, keep serving for `--shutdown-delay`, then stop (see `stop`)."""
+        self.draining = True
+        if self.args.shutdown_delay > 0:
+            log.info("draining for %.1fs before stopping", self.args.shutdown_delay)
+            await asyncio.sleep(self.args.shutdown_delay)
+        await self.stop()
+
     async def stop(self) -> None:
         if self.config_watch is not None:
             self.config_watch.cancel()
@@ -270,7 +284,7 @@ class PickerServer:
             await self.collector.stop()
         for server in (self.grpc_server, self.health_server):
             if server is not None:
-                await server.stop(grace=2)
+                await server.stop(grace=self.args.shutdown_grace)
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
 
@@ -289,7 +303,7 @@ async def run(args: argparse.Namespace) -> int:
         return 1
     await stop.wait()
     log.info("shutting down")
-    await server.stop()
+    await server.drain()
     return 0
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from picker.bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
 from picker.bench.process import free_port, wait_until
-from tests.stack import loopback_addresses, start_picker
+from tests.stack import health_status, loopback_addresses, start_picker
 
 
 def post(url: str, body: dict, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict]:
@@ -144,6 +146,31 @@ def test_streamed_mode_routes_and_delivers_the_body(backends, log_dir: Path, ear
             assert answer["body_len"] == len(json.dumps(body).encode())
         status, answer = post(envoy.url + "/v1/completions", {"prompt": "no model"})
         assert status == (400 if early_body else 200)  # without the early body there is nothing to check
+    finally:
+        envoy.stop()
+        picker.stop()
+
+
+def test_sigterm_drains_reporting_not_serving_while_still_routing(backends, log_dir: Path) -> None:
+    """A rolling restart: readiness goes NOT_SERVING at once, requests keep being routed for
+    `--shutdown-delay`, then the process exits by itself."""
+    addresses, _ = backends
+    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--shutdown-delay", "3s", name="picker-drain")
+    envoy = EnvoyProcess("envoy-drain", picker_config("duplex", ("127.0.0.1", free_port()),
+                                                      ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())),
+                         log_dir).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        url = envoy.url + "/v1/completions"
+        assert post(url, {"model": "m", "prompt": "p"})[0] == 200
+        picker.process.proc.send_signal(signal.SIGTERM)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: health_status(picker.health_port, "readiness") == not_serving, 2, "NOT_SERVING")
+        assert health_status(picker.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
+        assert picker.process.alive()
+        assert [post(url, {"model": "m", "prompt": f"p{i}"})[0] for i in range(5)] == [200] * 5
+        wait_until(lambda: not picker.process.alive(), 10, "the picker to exit after the delay")
+        assert picker.process.proc.returncode == 0
     finally:
         envoy.stop()
         picker.stop()
