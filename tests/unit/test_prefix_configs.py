@@ -34,7 +34,7 @@ def test_reference_approx_is_the_reference_default_on_character_blocks() -> None
 
 def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
     loaded = build(parse_file(CONFIGS / "picker-best.yaml"))
-    assert _weights(loaded) == {"ttft-cost-scorer": 3.0, "prefix-cache-scorer": 1.0, "queue-scorer": 1.0}
+    assert _weights(loaded) == {"ttft-cost-scorer": 3.0, "prefix-cache-scorer": 2.0, "queue-scorer": 1.0}
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
     producers = [p for p in loaded.plugins.values() if isinstance(p, ApproxPrefixCacheProducer)]
     assert len(producers) == 1 and producers[0].config.max_load_factor == 0
