@@ -15,13 +15,14 @@ import socket
 import ssl
 import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import IO
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+
+from picker.bench.process import wait_until
 
 KUBE_VERSION = os.environ.get("KUBE_VERSION", "v1.36.3")
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
@@ -63,22 +64,6 @@ def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def wait_until(condition, timeout: float, interval: float = 0.05, message: str = "condition"):
-    """Poll `condition()` until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while True:
-        try:
-            value = condition()
-            if value:
-                return value
-        except Exception as exc:  # keep polling: the thing may not be up yet
-            last_error = exc
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {message} (last error: {last_error!r})")
-        time.sleep(interval)
 
 
 class KubeCluster:
@@ -198,10 +183,13 @@ class KubeCluster:
 
         def healthy() -> bool:
             self._check_alive(self._etcd, "etcd.log")
-            with urllib.request.urlopen(f"http://127.0.0.1:{self._etcd_port}/health", timeout=1) as r:
-                return b'"true"' in r.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self._etcd_port}/health", timeout=1) as r:
+                    return b'"true"' in r.read()
+            except OSError:  # not listening yet
+                return False
 
-        wait_until(healthy, 30, 0.1, "etcd to become healthy")
+        wait_until(healthy, 30, "etcd to become healthy", interval=0.1)
 
     def _wait_ready(self) -> None:
         # Polled before the serving cert exists, so this one probe does not verify it.
@@ -214,10 +202,13 @@ class KubeCluster:
             request = urllib.request.Request(
                 f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.admin_token}"}
             )
-            with urllib.request.urlopen(request, timeout=2, context=context) as r:
-                return r.status == 200
+            try:
+                with urllib.request.urlopen(request, timeout=2, context=context) as r:
+                    return r.status == 200
+            except OSError:  # not listening, or not ready yet (HTTP errors are OSErrors too)
+                return False
 
-        wait_until(ready, 90, 0.2, "kube-apiserver /readyz")
+        wait_until(ready, 90, "kube-apiserver /readyz", interval=0.2)
 
     @staticmethod
     def _popen(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:

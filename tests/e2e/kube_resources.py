@@ -10,7 +10,8 @@ from typing import Any
 import yaml
 from kubernetes import client, dynamic
 
-from tests.e2e.kube_cluster import KubeCluster, kubeconfig, wait_until
+from picker.bench.process import wait_until
+from tests.e2e.kube_cluster import KubeCluster, kubeconfig
 
 POOL_V1 = ("inference.networking.k8s.io", "v1")
 POOL_LEGACY = ("inference.networking.x-k8s.io", "v1alpha2")
@@ -40,11 +41,17 @@ def wait_crds_established(api: client.ApiClient, names: Iterable[str]) -> None:
     ext = client.ApiextensionsV1Api(api)
 
     def established(name: str) -> bool:
-        crd = ext.read_custom_resource_definition(name)
-        return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or ())
+        try:
+            crd = ext.read_custom_resource_definition(name)
+        except client.ApiException as exc:
+            if exc.status == 404:  # not visible yet
+                return False
+            raise
+        conditions = crd.status.conditions if crd.status else None
+        return any(c.type == "Established" and c.status == "True" for c in conditions or ())
 
     for name in names:
-        wait_until(lambda name=name: established(name), 30, message=f"CRD {name} to be established")
+        wait_until(lambda name=name: established(name), 30, f"CRD {name} to be established")
 
 
 

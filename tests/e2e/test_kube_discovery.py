@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
+from picker.bench.process import wait_until
 from picker.datastore.store import Datastore
 from picker.discovery.kube_reflector import KubeReflector
 from picker.discovery.kubernetes import KubeCredentialsError, KubernetesDiscovery
@@ -417,13 +418,15 @@ async def test_missing_objective_crd_is_not_an_error(admin_api, picker_release, 
 
 def _recreate_crd(api: client.ApiClient, body: dict[str, Any]) -> None:
     extensions = client.ApiextensionsV1Api(api)
-    deadline = time.monotonic() + 30
-    while True:  # the deleted CRD lingers until its objects are cleaned up
+
+    def created() -> bool:
         try:
             extensions.create_custom_resource_definition(body)
-            break
         except client.ApiException as exc:
-            if exc.status != 409 or time.monotonic() > deadline:
+            if exc.status != 409:
                 raise
-            time.sleep(0.1)
+            return False  # the deleted CRD lingers until its objects are cleaned up
+        return True
+
+    wait_until(created, 30, "the deleted CRD to be recreated", interval=0.1)
     wait_crds_established(api, [body["metadata"]["name"]])

@@ -14,6 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from picker.bench.process import wait_until
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.kvevents.decode import (
@@ -111,15 +112,16 @@ class Publisher:
 def _bind(socket: zmq.asyncio.Socket, port: int) -> int:
     if port == 0:
         return socket.bind_to_random_port(f"tcp://{HOST}")
-    deadline = time.monotonic() + 5
-    while True:  # the previous owner of the port may still be closing
+
+    def bound() -> bool:
         try:
             socket.bind(f"tcp://{HOST}:{port}")
-            return port
         except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+            return False  # the previous owner of the port may still be closing
+        return True
+
+    wait_until(bound, 5, f"port {port} to be free again", interval=0.01)
+    return port
 
 
 def stored(tokens: list[int], first: int = 0) -> BlockStored:
