@@ -4,13 +4,27 @@ With one cache that never evicts, a prompt's leading full blocks hit if an earli
 already computed them (chained block hashes, as the engine keys them). Like vLLM, at least the
 last prompt token is always computed, so a prompt never hits on more than `(n - 1) // block_size`
 blocks. Because blocks are chained, the total does not depend on the order of the prompts.
+
+A fleet's caches are finite, so the bench also computes the *fleet-cache bound*: the hits of one
+cache holding the whole fleet's KV blocks with the optimal offline eviction (Belady's: evict the
+block needed again furthest in the future, or do not cache a block needed later than all the
+others). A router can only do worse: its pods' caches together hold at most that many blocks,
+blocks enter a pod only when a request routed there computes them, and no online eviction beats
+Belady's. Every counted block is a hit, not only a prompt's leading ones, which errs upwards.
+
+The same walk gives a TTFT floor on the simulator: every prompt with its infinite-cache hits,
+prefilled alone on an idle engine. A request's TTFT can only be longer, so no router's TTFT
+percentiles can be lower than the floor's.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Iterable, Sequence
 
 from picker.prefix.hashing import token_block_hashes
+from picker.sim.profiles import Profile
 
 _ROOT = 0
 
@@ -25,9 +39,10 @@ class PrefixBound:
         self.seen: set[int] = set()
         self.prompt_tokens = 0
         self.hit_tokens = 0
+        self.accesses: list[tuple[list[int], int]] = []  # per prompt: block hashes, blocks that can hit
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Count one prompt, then remember its blocks."""
+    def add(self, token_ids: Sequence[int]) -> int:
+        """Count one prompt, then remember its blocks; return its cached (hit) tokens."""
         hashes = token_block_hashes(token_ids, self.block_size, _ROOT)
         limit = (len(token_ids) - 1) // self.block_size
         hits = 0
@@ -36,13 +51,59 @@ class PrefixBound:
                 break
             hits += 1
         self.seen.update(hashes)
+        self.accesses.append((hashes, limit))
         self.prompt_tokens += len(token_ids)
         self.hit_tokens += hits * self.block_size
+        return hits * self.block_size
 
     @property
     def ratio(self) -> float:
         """Cached prompt tokens / all prompt tokens (0 for no prompts)."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def fleet_ratio(self, capacity_blocks: int) -> float:
+        """The fleet-cache bound (module doc) for caches holding `capacity_blocks` in all."""
+        if not self.prompt_tokens:
+            return 0.0
+        return belady_hits(self.accesses, capacity_blocks) * self.block_size / self.prompt_tokens
+
+
+def belady_hits(prompts: Sequence[tuple[Sequence[int], int]], capacity_blocks: int) -> int:
+    """Block hits of one cache of `capacity_blocks` under Belady's optimal offline eviction, over
+    prompts given as (block hashes, how many leading blocks count when hit)."""
+    if capacity_blocks < 1:
+        return 0
+    blocks: list[int] = []
+    counted: list[bool] = []
+    for hashes, limit in prompts:
+        blocks.extend(hashes)
+        counted.extend(j < limit for j in range(len(hashes)))
+    never = len(blocks)
+    next_use = [never] * len(blocks)  # the next access that can hit, after this one
+    upcoming: dict[int, int] = {}
+    for i in range(len(blocks) - 1, -1, -1):
+        block = blocks[i]
+        next_use[i] = upcoming.get(block, never)
+        if counted[i]:
+            upcoming[block] = i
+    cache: dict[int, int] = {}  # block -> its next use
+    farthest: list[tuple[int, int]] = []  # max-heap of (-next use, block); stale entries skipped
+    hits = 0
+    for i, block in enumerate(blocks):
+        use = next_use[i]
+        if block in cache:
+            hits += counted[i]
+        elif use == never:
+            continue  # never hits again: not worth a slot
+        elif len(cache) >= capacity_blocks:
+            while cache.get(farthest[0][1]) != -farthest[0][0]:
+                heapq.heappop(farthest)
+            if -farthest[0][0] <= use:
+                continue  # everything cached is needed sooner than this block
+            del cache[heapq.heappop(farthest)[1]]
+        cache[block] = use
+        heapq.heappush(farthest, (-use, block))
+    return hits
 
 
 def infinite_cache_hit_ratio(prompts: Iterable[Sequence[int]], block_size: int) -> float:
@@ -51,3 +112,11 @@ def infinite_cache_hit_ratio(prompts: Iterable[Sequence[int]], block_size: int) 
     for tokens in prompts:
         bound.add(tokens)
     return bound.ratio
+
+
+def prefill_floor_s(uncached_tokens: int, profile: Profile, time_scale: float, max_batched_tokens: int) -> float:
+    """The simulated engine's fastest first token for `uncached_tokens` of prefill: an idle
+    engine, the prefill chunked by its per-step token budget, at least one token computed."""
+    tokens = max(1, uncached_tokens)
+    steps = math.ceil(tokens / max_batched_tokens)
+    return (steps * profile.step_overhead + tokens * profile.prefill_per_token) / time_scale

@@ -22,6 +22,8 @@ class BenchReport:
     settings: dict[str, Any]
     systems: dict[str, SystemResult] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # system -> why it could not be measured
+    fleet_bound_hit_ratio: float | None = None  # the fleet's KV capacity, optimal eviction
+    ttft_floor_s: dict[str, float | None] = field(default_factory=dict)  # p50/p90/p99 no router can beat
     plots: dict[str, str] = field(default_factory=dict)  # plot key -> file name, once written
 
     def to_json(self) -> dict[str, Any]:
@@ -29,6 +31,8 @@ class BenchReport:
         return {
             "workload": self.workload,
             "bound_hit_ratio": self.bound_hit_ratio,
+            "fleet_bound_hit_ratio": self.fleet_bound_hit_ratio,
+            "ttft_floor_s": self.ttft_floor_s,
             "settings": self.settings,
             "systems": {name: result.to_json() for name, result in self.systems.items()},
             "failures": self.failures,
@@ -41,6 +45,14 @@ def _ms(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def floor_text(report: BenchReport) -> str:
+    """`p50/p90/p99 A/B/C ms` of the TTFT floor, or `-` when it was not computed."""
+    floor = report.ttft_floor_s
+    if not floor:
+        return "-"
+    return "p50/p90/p99 " + "/".join(_ms(floor.get(q)) for q in ("p50", "p90", "p99")) + " ms"
 
 
 def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
@@ -80,7 +92,11 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
     out = [
         f"# picker bench: {report.workload}", "",
         (f"Infinite-cache bound on the prompts sent: **{_pct(report.bound_hit_ratio)}** "
-         "(no router can hit more)."), "",
+         "(no router can hit more); fleet-cache bound: "
+         f"**{_pct(report.fleet_bound_hit_ratio)}** (one cache of the whole fleet's KV blocks with "
+         "optimal offline eviction: no router can hit more on this fleet)."), "",
+        (f"TTFT floor: **{floor_text(report)}**, every prompt with its infinite-cache hits prefilled "
+         "alone on an idle simulated engine (no router's TTFT percentiles can be lower)."), "",
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(row) + " |" for row in rows), "",
         ("TTFT is measured from when each request was due (open loop) to its first streamed content chunk. "

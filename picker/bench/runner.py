@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -11,10 +12,10 @@ from pathlib import Path
 
 from picker.bench import progress as live
 from picker.bench import report as reports
-from picker.bench.bound import PrefixBound
+from picker.bench.bound import PrefixBound, prefill_floor_s
 from picker.bench.loadgen import LoadOptions, Progress, RequestResult, run_load
 from picker.bench.report import BenchReport
-from picker.bench.stats import SystemResult, summarize
+from picker.bench.stats import SystemResult, percentile, summarize
 from picker.bench.systems import (
     FleetOptions,
     Launcher,
@@ -23,6 +24,7 @@ from picker.bench.systems import (
     start_system,
 )
 from picker.bench.workloads import Session, all_prompts
+from picker.sim.profiles import get_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +42,31 @@ class BenchPlan:
     settings: tuple[tuple[str, object], ...] = ()  # workload knobs, recorded in results.json
 
 
-def bound_of(sessions: Sequence[Session], block_size: int) -> tuple[float, int]:
-    """The infinite-cache hit ratio of every prompt in `sessions`, and the longest prompt."""
-    bound = PrefixBound(block_size)
+@dataclass(frozen=True, slots=True)
+class WorkloadBounds:
+    """What no router can beat on a workload and fleet (`picker.bench.bound`)."""
+
+    hit_ratio: float
+    fleet_hit_ratio: float  # with the fleet's KV capacity and optimal eviction
+    ttft_floor_s: dict[str, float | None]  # p50/p90/p99 of the infinite-cache, idle-engine TTFT
+    longest_tokens: int  # the longest prompt plus its output: the fleet's minimum max_model_len
+
+
+def bounds_of(sessions: Sequence[Session], fleet: FleetOptions) -> WorkloadBounds:
+    """The infinite- and fleet-cache hit ratios and the TTFT floor of `sessions` on `fleet`."""
+    bound = PrefixBound(fleet.block_size)
+    profile = get_profile(fleet.profile)
+    budget = fleet.max_num_batched_tokens or profile.max_num_batched_tokens
     longest = 0
+    floors = []
     for prompt in all_prompts(sessions):
         tokens = prompt.token_ids()
-        bound.add(tokens)
+        hit = bound.add(tokens)
+        floors.append(prefill_floor_s(len(tokens) - hit, profile, fleet.time_scale, budget))
         longest = max(longest, len(tokens) + prompt.max_tokens)
-    return bound.ratio, longest
+    floor = {f"p{q}": percentile(floors, q) for q in (50, 90, 99)}
+    capacity = fleet.pods * (fleet.num_gpu_blocks or profile.num_gpu_blocks)
+    return WorkloadBounds(bound.ratio, bound.fleet_ratio(capacity), floor, longest)
 
 
 def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
@@ -59,20 +77,23 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
     logs = plan.out_dir / "logs"
     shutil.rmtree(logs, ignore_errors=True)  # readiness is read from the logs: never from an earlier run's
     launcher = Launcher(logs, pids)
-    bound, longest = bound_of(plan.sessions, plan.fleet.block_size)
+    bounds = bounds_of(plan.sessions, plan.fleet)
     fleet = plan.fleet
-    if longest > fleet.max_model_len:
-        fleet = replace(fleet, max_model_len=longest)
+    if bounds.longest_tokens > fleet.max_model_len:
+        fleet = replace(fleet, max_model_len=bounds.longest_tokens)
     requests = sum(len(s.turns) for s in plan.sessions)
     report = BenchReport(
-        plan.workload, bound,
+        plan.workload, bounds.hit_ratio,
         {
             "fleet": asdict(fleet), "sessions": len(plan.sessions), "requests": requests,
             "max_concurrency": plan.max_concurrency, "python": sys.version.split()[0], **dict(plan.settings),
         },
     )
+    report.fleet_bound_hit_ratio = bounds.fleet_hit_ratio
+    report.ttft_floor_s = bounds.ttft_floor_s
     log(f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
-        f"infinite-cache bound {bound * 100:.1f}%")
+        f"infinite-cache bound {bounds.hit_ratio * 100:.1f}%, fleet-cache bound {bounds.fleet_hit_ratio * 100:.1f}%, "
+        f"TTFT floor {reports.floor_text(report)}")
     try:
         for index, spec in enumerate(plan.systems):
             tag = f"{index}-{spec.kind}"
@@ -108,4 +129,12 @@ def _measure(
             await asyncio.gather(display, return_exceptions=True)
 
     results = asyncio.run(measured())
+    _write_requests(results, plan.out_dir / "requests" / f"{spec.name.replace(':', '-')}.jsonl")
     return summarize(results, fleet.pods, gateway.decision_time())
+
+
+def _write_requests(results: Sequence[RequestResult], path: Path) -> None:
+    """One JSON line per request (session, turn, pod, TTFT, cached tokens...), for analysis beyond
+    the summary: which pod served which prompt, and what it found cached."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))

@@ -97,9 +97,13 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
     assert set(results["systems"]) == {"round-robin", "picker", "sglang-round-robin"}
     for name, system in results["systems"].items():
         assert system["requests"] > 10 and system["errors"] == 0, (name, system)
-        assert 0 < system["hit_ratio"] <= results["bound_hit_ratio"]
+        assert 0 < system["hit_ratio"] <= results["fleet_bound_hit_ratio"] <= results["bound_hit_ratio"]
         assert system["ttft_p50_s"] <= system["ttft_p99_s"] <= system["e2e_p50_s"] * 10
         assert set(system["pods"]) == {"sim-0", "sim-1"}  # from x-inference-pod, through every gateway
+        floor = results["ttft_floor_s"]  # a lower bound for every system
+        assert 0 < floor["p50"] <= system["ttft_p50_s"] and floor["p99"] <= system["ttft_p99_s"], (name, floor)
+        requests = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
+        assert len(requests) == system["requests"] and json.loads(requests[0])["pod"] in system["pods"]
     assert results["systems"]["picker"]["decision_time"]["count"] >= results["systems"]["picker"]["requests"]
     assert "round-robin" in output and "results.json" in output
     assert len(started_pids(tmp_path)) == 7  # a fleet and a gateway per system, plus the picker itself

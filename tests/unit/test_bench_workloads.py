@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from picker.bench import workloads as w
-from picker.bench.bound import PrefixBound, infinite_cache_hit_ratio
+from picker.bench.bound import PrefixBound, belady_hits, infinite_cache_hit_ratio, prefill_floor_s
+from picker.bench.runner import bounds_of
+from picker.bench.systems import FleetOptions
+from picker.sim.profiles import get_profile
 from picker.prefix.hashing import token_block_hashes
 from picker.sim.tokenizer import encode
 
@@ -172,3 +175,69 @@ def test_bound_counts_shared_full_blocks_and_never_the_last_token() -> None:
     bound.add(a)
     bound.add(a)  # identical prompt: the last block is recomputed, as the engine does
     assert bound.hit_tokens == 32 and bound.ratio == pytest.approx(32 / 96)
+
+
+def test_ttft_floor_is_each_prompt_prefilled_alone_with_its_infinite_cache_hits() -> None:
+    profile = get_profile("llama3-8b-h100")
+    one_step = prefill_floor_s(100, profile, 1.0, 8192)
+    assert one_step == pytest.approx(profile.step_overhead + 100 * profile.prefill_per_token)
+    assert prefill_floor_s(100, profile, 2.0, 8192) == pytest.approx(one_step / 2)
+    assert prefill_floor_s(20_000, profile, 1.0, 8192) == pytest.approx(  # three chunks, three steps
+        3 * profile.step_overhead + 20_000 * profile.prefill_per_token
+    )
+    spec = w.SharedPrefixSpec(groups=1, system_prompt_len=2048, question_len=16, output_len=4)
+    sessions = w.shared_prefix(spec, rate=10, duration_s=2, seed=0)
+    bounds = bounds_of(sessions, FleetOptions(pods=1, time_scale=1.0))
+    first = len(sessions[0].turns[0].token_ids())
+    cold = prefill_floor_s(first, profile, 1.0, 8192)
+    assert bounds.ttft_floor_s["p99"] < cold  # one cold prompt in many: it is above the 99th percentile
+    assert bounds.ttft_floor_s["p50"] < cold / 10  # the rest prefill their questions only
+    assert bounds.longest_tokens == first + 4 and 0.8 < bounds.hit_ratio < 1
+
+
+def _lru_hits(prompts: list[tuple[list[int], int]], capacity: int) -> int:
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for blocks, limit in prompts:
+        for j, block in enumerate(blocks):
+            if block in cache:
+                hits += j < limit
+                cache.move_to_end(block)
+            else:
+                cache[block] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits
+
+
+def test_belady_keeps_what_is_needed_soonest_and_beats_lru() -> None:
+    # Cyclic reuse of 3 one-block prompts in a 2-block cache: LRU always misses, the optimal
+    # eviction keeps two of them and hits both in every later round.
+    cyclic = [([b], 1) for b in [1, 2, 3] * 4]
+    assert _lru_hits(cyclic, 2) == 0
+    assert belady_hits(cyclic, 2) == 6
+    assert belady_hits(cyclic, 3) == 9  # everything fits: every reuse hits
+    assert belady_hits(cyclic, 0) == 0
+    # A block that only comes back where it cannot count (a prompt's last block) is worth nothing.
+    assert belady_hits([([1, 2], 1), ([1, 2], 1)], 1) == 1
+    rng = random.Random(3)
+    prompts = [([rng.randrange(40) for _ in range(rng.randint(1, 6))], rng.randint(0, 6)) for _ in range(400)]
+    for capacity in (1, 5, 20, 40):
+        assert _lru_hits(prompts, capacity) <= belady_hits(prompts, capacity)
+    assert belady_hits(prompts, 40) == sum(  # ample capacity: every countable reuse hits
+        1 for i, (blocks, limit) in enumerate(prompts) for j, b in enumerate(blocks)
+        if j < limit and any(b in earlier for earlier, _ in prompts[:i])
+    )
+
+
+def test_fleet_cache_bound_lies_between_an_lru_and_the_infinite_cache() -> None:
+    spec = w.SharedPrefixSpec(groups=8, system_prompt_len=256, question_len=16, output_len=4)
+    sessions = w.shared_prefix(spec, rate=50, duration_s=4, seed=1)
+    bound = PrefixBound(16)
+    for prompt in w.all_prompts(sessions):
+        bound.add(prompt.token_ids())
+    assert bound.fleet_ratio(10**6) == pytest.approx(bound.ratio)  # enough room: the infinite cache
+    assert bound.fleet_ratio(40) < bound.ratio  # 8 prefixes of 16 blocks do not fit in 40
+    assert _lru_hits(bound.accesses, 40) * 16 / bound.prompt_tokens <= bound.fleet_ratio(40)
