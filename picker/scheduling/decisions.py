@@ -6,12 +6,14 @@ when someone reads the log, so an enabled log costs the request path one append.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from picker.request.model import InferenceRequest
-from picker.scheduling.framework import ProfileRunResult, SchedulingResult
+from picker.scheduling.framework import EXPLAIN_KEY, ProfileRunResult, SchedulingResult
 
 
 class DecisionLog:
@@ -46,7 +48,19 @@ def _decision(at: float, request: InferenceRequest, result: SchedulingResult) ->
         "primary_profile": result.primary_profile,
         "targets": [t.address for t in result.targets],
         "profiles": {name: _profile(run) for name, run in result.profile_results.items()},
+        "explain": _json_ready(result.cycle_state.get(EXPLAIN_KEY, {})),
     }
+
+
+def _json_ready(value: Any) -> Any:
+    """Explain values as JSON: dataclasses as dicts, mappings and sequences element by element."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def _profile(run: ProfileRunResult | None) -> dict[str, Any] | None:

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+EXPLAIN_KEY = "Explain"
+
+
 class CycleState(dict[str, Any]):
     """Per-request key/value store shared by the plugins of one scheduling cycle.
 
@@ -41,6 +44,12 @@ class CycleState(dict[str, Any]):
     """
 
     __slots__ = ()
+
+    def explain(self) -> dict[str, Any]:
+        """What plugins want `/debug/decisions` to show about this decision, by topic (JSON-ready
+        values or dataclasses, converted only when the log is read). Created on first use."""
+        explain: dict[str, Any] = self.setdefault(EXPLAIN_KEY, {})
+        return explain
 
 
 class Plugin(ABC):

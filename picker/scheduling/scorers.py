@@ -33,14 +33,16 @@ def min_max_scores(loads: Sequence[float]) -> list[float]:
     return [(highest - load) / span for load in loads]
 
 
-class _ParameterlessScorer(Scorer):
+class ParameterlessScorer(Scorer):
+    """A scorer that takes no parameters (an error names any that are given)."""
+
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> Scorer:
         Parameters(parameters).finish()
         return cls(name)
 
 
-class QueueScorer(_ParameterlessScorer):
+class QueueScorer(ParameterlessScorer):
     """`queue-scorer`: min-max normalised waiting queue (effective, see module doc)."""
 
     plugin_type = "queue-scorer"
@@ -58,7 +60,7 @@ class QueueScorer(_ParameterlessScorer):
         )
 
 
-class RunningRequestsSizeScorer(_ParameterlessScorer):
+class RunningRequestsSizeScorer(ParameterlessScorer):
     """`running-requests-size-scorer`: min-max normalised running requests (effective)."""
 
     plugin_type = "running-requests-size-scorer"
@@ -76,7 +78,7 @@ class RunningRequestsSizeScorer(_ParameterlessScorer):
         )
 
 
-class KVCacheUtilizationScorer(_ParameterlessScorer):
+class KVCacheUtilizationScorer(ParameterlessScorer):
     """`kv-cache-utilization-scorer`: 1 − KV-cache usage (a fraction)."""
 
     plugin_type = "kv-cache-utilization-scorer"
@@ -88,7 +90,7 @@ class KVCacheUtilizationScorer(_ParameterlessScorer):
         return [1.0 - c.metrics.kv_cache_usage for c in candidates]
 
 
-class LoraAffinityScorer(_ParameterlessScorer):
+class LoraAffinityScorer(ParameterlessScorer):
     """`lora-affinity-scorer`: 1.0 adapter running; 0.8 room to load one; 0.6 adapter waiting; else 0."""
 
     plugin_type = "lora-affinity-scorer"
