@@ -4,26 +4,65 @@ Like the reference's indexer: a global map `block hash → endpoints` plus, per 
 of the hashes it holds; evicting a hash from an endpoint's LRU removes the endpoint from the
 global map. Keys are chained hashes (each encodes its whole prefix), so one index serves char
 blocks and token blocks alike; seeds keep the two (and every model/salt/tenant scope) apart.
+
+The index also knows which blocks each endpoint was sent *again* within the last
+`reuse_window_s` (its reused working set): a prompt's one-off tail is never reused, a shared
+prefix is. Placing new blocks where they push reused ones out of the cache costs future hits.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 
 DEFAULT_LRU_CAPACITY = 31250  # reference lruCapacityPerServer: ~500K tokens / 16 per block
+DEFAULT_REUSE_WINDOW_S = 30.0
+
+
+class _RecentReuse:
+    """One endpoint's blocks reused within the window: last reuse time per block, and a log of
+    reuses in time order so expiry is amortised O(1)."""
+
+    __slots__ = ("last", "log")
+
+    def __init__(self) -> None:
+        self.last: dict[int, float] = {}
+        self.log: deque[tuple[float, list[int]]] = deque()
+
+    def touch(self, blocks: list[int], now: float) -> None:
+        last = self.last
+        for block in blocks:
+            last[block] = now
+        self.log.append((now, blocks))
+
+    def expire(self, cutoff: float) -> None:
+        log, last = self.log, self.last
+        while log and log[0][0] < cutoff:
+            when, blocks = log.popleft()
+            for block in blocks:
+                if last.get(block) == when:  # not reused again since
+                    del last[block]
 
 
 class PrefixIndex:
     """Block hashes per endpoint (by address), bounded by an LRU per endpoint."""
 
-    def __init__(self, default_capacity: int = DEFAULT_LRU_CAPACITY) -> None:
+    def __init__(
+        self,
+        default_capacity: int = DEFAULT_LRU_CAPACITY,
+        reuse_window_s: float = DEFAULT_REUSE_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if default_capacity < 1:
             raise ValueError(f"LRU capacity must be >= 1, got {default_capacity}")
         self.default_capacity = default_capacity
+        self.reuse_window_s = reuse_window_s
+        self._clock = clock
         self._owners: dict[int, set[str]] = {}
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._capacities: dict[str, int] = {}
+        self._reuse: dict[str, _RecentReuse] = {}
         self._size = 0
 
     def __len__(self) -> int:
@@ -36,6 +75,14 @@ class PrefixIndex:
     def capacity(self, endpoint: str) -> int | None:
         """The LRU capacity of `endpoint`, or None if it holds nothing yet."""
         return self._capacities.get(endpoint)
+
+    def reused_blocks(self, endpoint: str) -> int:
+        """Blocks `endpoint` holds that it was sent again within the reuse window."""
+        reuse = self._reuse.get(endpoint)
+        if reuse is None:
+            return 0
+        reuse.expire(self._clock() - self.reuse_window_s)
+        return len(reuse.last)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Leading blocks of `hashes` each endpoint holds without a gap.
@@ -80,9 +127,11 @@ class PrefixIndex:
             self._capacities[endpoint] = capacity if capacity and capacity > 0 else self.default_capacity
         owners_of = self._owners
         added = 0
+        reused: list[int] = []
         for block in reversed(hashes):
             if block in lru:
                 lru.move_to_end(block)
+                reused.append(block)
                 continue
             lru[block] = None
             added += 1
@@ -92,10 +141,17 @@ class PrefixIndex:
             else:
                 owners.add(endpoint)
         self._size += added
+        reuse = self._reuse.get(endpoint)
+        if reused:
+            if reuse is None:
+                reuse = self._reuse[endpoint] = _RecentReuse()
+            reuse.touch(reused, self._clock())
         limit = self._capacities[endpoint]
         while len(lru) > limit:
             block, _ = lru.popitem(last=False)
             self._drop_owner(block, endpoint)
+            if reuse is not None:
+                reuse.last.pop(block, None)
             self._size -= 1
 
     def remove(self, endpoints: Iterable[str]) -> None:
@@ -103,6 +159,7 @@ class PrefixIndex:
         for endpoint in endpoints:
             lru = self._lrus.pop(endpoint, None)
             self._capacities.pop(endpoint, None)
+            self._reuse.pop(endpoint, None)
             if lru is None:
                 continue
             for block in lru:

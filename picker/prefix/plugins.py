@@ -8,6 +8,8 @@
   it learns TTFT rates and counts the value metrics.
 * `prefix-cache-scorer` (no parameters): matched blocks / prompt blocks, as in the reference.
 * `ttft-cost-scorer`: best predicted TTFT / the endpoint's predicted TTFT (see `ttft`).
+* `cache-fit-scorer` (no parameters): 1 where the prompt fits beside the endpoint's recently
+  reused blocks, 0 where it would evict them.
 
 Tokenizing can take milliseconds, so the producer also has `prepare_async(request,
 candidates)`: the Director awaits it before `Scheduler.schedule`; it tokenizes in a thread
@@ -28,7 +30,7 @@ Example (`tokenizers` and `ttft-cost-scorer` are the picker's own; reference con
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from picker.datastore.endpoint import Endpoint, EndpointState
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.hotspot import over_bound
-from picker.prefix.index import DEFAULT_LRU_CAPACITY, PrefixIndex
+from picker.prefix.index import DEFAULT_LRU_CAPACITY, DEFAULT_REUSE_WINDOW_S, PrefixIndex
 from picker.prefix.prompt_blocks import TOKENS, BlockSizing, PromptBlocks, PromptHasher
 from picker.prefix.token_cache import DEFAULT_CAPACITY_TOKENS, TokenPrefixCache
 from picker.prefix.tokenizer import PromptTokenizer, load_prompt_tokenizer
@@ -54,6 +56,7 @@ from picker.scheduling.framework import (
 )
 from picker.scheduling.parameters import Parameters
 from picker.scheduling.registry import PluginConfigError, register
+from picker.scheduling.scorers import ParameterlessScorer
 from picker.telemetry.metrics import (
     PREFIX_EXPECTED_CACHED_TOKENS,
     PREFIX_EXPECTED_HIT_RATIO,
@@ -71,7 +74,8 @@ if TYPE_CHECKING:
 
 PREFIX_MATCH_KEY = "PrefixCacheMatchInfo"
 PROMPT_BLOCKS_KEY = "PromptBlocks"
-PREDICTED_TTFT_KEY = "PredictedTTFT"  # {address: TtftEstimate}, for the decision explain log
+PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
+OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
 # {address: prompt tokens an engine reported cached}, from the KV-event (precise) index when one
 # is configured; the TTFT model prefers it to the approximate index's guess.
 ENGINE_CACHED_TOKENS_KEY = "EngineCachedTokens"
@@ -97,6 +101,14 @@ class PrefixMatch:
     blocks: PromptBlocks
     matched: Mapping[str, int]
     over_bound: frozenset[str] = frozenset()
+    room: Callable[[EndpointState], int] | None = None  # an endpoint's cache blocks beside its reused ones
+
+    def fits(self, state: EndpointState) -> bool:
+        """Whether the blocks `state`'s endpoint lacks fit in its cache beside the blocks reused
+        there recently, so placing the prompt there evicts nothing in use (True if unknown)."""
+        if self.room is None:
+            return True
+        return self.total_blocks - self.matched.get(state.address, 0) <= self.room(state)
 
     @property
     def total_blocks(self) -> int:
@@ -134,6 +146,7 @@ class PrefixConfig:
     max_load_factor: float = 0.0
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     token_cache_tokens: int = DEFAULT_CAPACITY_TOKENS
+    reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> PrefixConfig:
@@ -152,6 +165,7 @@ class PrefixConfig:
             max_load_factor=p.number("maxLoadFactor", 0.0, at_least=0),
             tokenizers=_tokenizer_specs(p.mapping("tokenizers")),
             token_cache_tokens=p.integer("tokenCacheTokens", DEFAULT_CAPACITY_TOKENS, at_least=1),
+            reuse_window_s=p.number("reuseWindowSeconds", DEFAULT_REUSE_WINDOW_S, above=0),
         )
         p.finish()
         return config
@@ -196,6 +210,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
     - `maxLoadFactor` (off by default, so reference configs keep their meaning; e.g. 2.0): the
       hot-spot bound (`picker.prefix.hotspot`).
     - `tokenCacheTokens` (4,000,000): capacity of the tokenized-prefix cache.
+    - `reuseWindowSeconds` (30): blocks sent to an endpoint again within this long count as its
+      reused working set (`cache-fit-scorer`).
     """
 
     plugin_type = "approx-prefix-cache-producer"
@@ -228,15 +244,16 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
                 )
             except ValueError as error:
                 raise PluginConfigError(f"tokenizers.{model}: {error}") from None
+        index_key = f"{_INDEX_KEY}:{config.lru_capacity_per_server}:{config.reuse_window_s}"
         index = handle.persistent(
-            f"{_INDEX_KEY}:{config.lru_capacity_per_server}",
-            lambda: PrefixIndex(config.lru_capacity_per_server),
+            index_key,
+            lambda: PrefixIndex(config.lru_capacity_per_server, config.reuse_window_s),
         )
         ttft = handle.persistent(TTFT_MODEL_KEY, TtftModel)
         datastore = handle.datastore
         if datastore is not None:
             handle.persistent(
-                f"{_INDEX_KEY}:{config.lru_capacity_per_server}/listener",
+                f"{index_key}/listener",
                 lambda: _forget_departed(datastore, index, ttft),
             )
         cache = handle.persistent(
@@ -276,7 +293,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         matched = self.index.match(blocks.hashes)
         bounded = over_bound(candidates, self.config.max_load_factor)
         over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
-        match = PrefixMatch(blocks, matched, over)
+        match = PrefixMatch(blocks, matched, over, self._room)
         cycle_state[PREFIX_MATCH_KEY] = match
         if blocks.hashes:
             best = max((matched.get(c.address, 0) for c in candidates), default=0)
@@ -334,11 +351,23 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         )
         if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
             self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
+            result.cycle_state.explain()[OBSERVED_TTFT] = {
+                "endpoint": address,
+                "seconds": outcome.ttft_seconds,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": cached,
+            }
 
     def _capacity(self, state: EndpointState) -> int | None:
         if self.config.auto_tune and state.metrics.cache_num_blocks > 0:
             return state.metrics.cache_num_blocks
         return None
+
+    def _room(self, state: EndpointState) -> int:
+        """Blocks of `state`'s cache not taken by blocks reused there recently."""
+        index = self.index
+        capacity = self._capacity(state) or index.capacity(state.address) or index.default_capacity
+        return capacity - index.reused_blocks(state.address)
 
 
 def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) -> bool:
@@ -355,17 +384,12 @@ def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) 
     return True
 
 
-class PrefixCacheScorer(Scorer):
+class PrefixCacheScorer(ParameterlessScorer):
     """`prefix-cache-scorer`: matched blocks / prompt blocks from the producer; 0 without it."""
 
     plugin_type = "prefix-cache-scorer"
     category = ScorerCategory.AFFINITY
     consumes = frozenset({PREFIX_MATCH_KEY})
-
-    @classmethod
-    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PrefixCacheScorer:
-        Parameters(parameters).finish()
-        return cls(name)
 
     def score(
         self,
@@ -379,21 +403,54 @@ class PrefixCacheScorer(Scorer):
         return [match.score(c.address) for c in candidates]
 
 
+class CacheFitScorer(ParameterlessScorer):
+    """`cache-fit-scorer`: 1 where the prompt's missing blocks fit in the endpoint's KV cache
+    beside the blocks reused there recently, 0 where they would push reused blocks out.
+
+    Prefix affinity and the TTFT cost look at this request; this looks at the next ones. A new
+    shared prefix placed on an endpoint whose cache is already full of reused prefixes evicts
+    some of them, their next requests miss and evict in turn, and the endpoint thrashes. Where
+    the prompt fits everywhere (or nowhere) it scores every endpoint alike and changes nothing.
+    Needs the producer's capacity per endpoint: `autoTune` (the engine's `num_gpu_blocks`) or
+    `lruCapacityPerServer` in the same unit as the blocks.
+    """
+
+    plugin_type = "cache-fit-scorer"
+    category = ScorerCategory.DISTRIBUTION
+    consumes = frozenset({PREFIX_MATCH_KEY})
+
+    def score(
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        candidates: Sequence[EndpointState],
+    ) -> Sequence[float]:
+        match = cycle_state.get(PREFIX_MATCH_KEY)
+        if not isinstance(match, PrefixMatch):
+            return [1.0] * len(candidates)
+        return [1.0 if match.fits(c) else 0.0 for c in candidates]
+
+
 class TtftCostScorer(Scorer):
     """`ttft-cost-scorer`: predicted time to first token, queue wait plus uncached prefill.
 
     Parameters: `prefillTokensPerSecond` (5000), `drainTokensPerSecond` (5000),
     `overheadSeconds` (0.01), `typicalPromptTokens` (512), `ewmaAlpha` (0.2): the priors the
-    shared model starts every endpoint from before it has learnt its rates.
+    shared model starts every endpoint from before it has learnt its rates;
+    `interferenceWeight` (0): how much the stall a prefill imposes on the requests already
+    running at an endpoint counts against it (`picker.prefix.ttft`).
+    Each endpoint's prediction goes to the decision's explain map (`predicted_ttft`); the
+    producer adds the observed TTFT when the response ends.
     """
 
     plugin_type = "ttft-cost-scorer"
     category = ScorerCategory.BALANCE
     consumes = frozenset({PREFIX_MATCH_KEY})
 
-    def __init__(self, name: str, model: TtftModel) -> None:
+    def __init__(self, name: str, model: TtftModel, interference_weight: float = 0.0) -> None:
         super().__init__(name)
         self.model = model
+        self.interference_weight = interference_weight
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> TtftCostScorer:
@@ -410,10 +467,11 @@ class TtftCostScorer(Scorer):
             typical_prompt_tokens=p.number("typicalPromptTokens", defaults.typical_prompt_tokens, at_least=0),
             ewma_alpha=p.number("ewmaAlpha", defaults.ewma_alpha, above=0, at_most=1),
         )
+        interference_weight = p.number("interferenceWeight", 0.0, at_least=0)
         p.finish()
         model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
         model.set_priors(priors)
-        return cls(name, model)
+        return cls(name, model, interference_weight)
 
     def score(
         self,
@@ -432,8 +490,10 @@ class TtftCostScorer(Scorer):
         else:
             prompt_tokens = request.estimated_prompt_tokens()
             cached = [0] * len(candidates)
-        estimates = [self.model.estimate(c, prompt_tokens, hit) for c, hit in zip(candidates, cached)]
-        predicted: dict[str, TtftEstimate] = cycle_state.setdefault(PREDICTED_TTFT_KEY, {})
+        model, weight = self.model, self.interference_weight
+        now = model.clock()
+        estimates = [model.estimate(c, prompt_tokens, hit, now, weight) for c, hit in zip(candidates, cached)]
+        predicted: dict[str, TtftEstimate] = cycle_state.explain().setdefault(PREDICTED_TTFT, {})
         predicted.update((c.address, e) for c, e in zip(candidates, estimates))
         return ttft_scores(estimates)
 
@@ -445,3 +505,4 @@ register(
 )
 register(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create)
 register(TtftCostScorer.plugin_type, TtftCostScorer.create)
+register(CacheFitScorer.plugin_type, CacheFitScorer.create)

@@ -11,6 +11,12 @@ the picker's own *backlog*, a fluid queue that grows by each request's uncached 
 time and drains at `drain_rate` (so requests the last scrape does not show yet still count,
 without double counting them once it does). The drain rate never exceeds the prefill rate.
 
+The mission is the lowest total completion time, not this request's alone: a long prefill on an
+endpoint stalls every request already running there for about as long (they share its engine
+steps). With `interference_weight` > 0 the score adds that stall, weight × uncached prefill time ×
+requests running there, so a cache miss goes to a quiet endpoint rather than a busy one, while
+a hit (little prefill) still joins its busy holder.
+
 Rates are learnt from observed TTFTs (`ResponseOutcome.ttft_seconds` and usage prompt/cached
 tokens) with an EWMA, starting from priors. A sample updates the prefill rate when the queue was
 negligible at pick time (its TTFT is nearly all prefill); otherwise the drain rate, scaled by
@@ -64,17 +70,21 @@ class EndpointRates:
 
 @dataclass(frozen=True, slots=True)
 class TtftEstimate:
-    """One endpoint's predicted TTFT and its parts."""
+    """One endpoint's predicted TTFT (`seconds`), its parts, and the stall it would impose on the
+    requests running there (`interference_seconds`, already weighted)."""
 
+    seconds: float
     queue_seconds: float
     prefill_seconds: float
     overhead_seconds: float
     work_ahead_tokens: float
     uncached_tokens: int
+    interference_seconds: float = 0.0
 
     @property
-    def seconds(self) -> float:
-        return self.overhead_seconds + self.queue_seconds + self.prefill_seconds
+    def cost_seconds(self) -> float:
+        """What the scorer minimises: the predicted TTFT plus the stall imposed on others."""
+        return self.seconds + self.interference_seconds
 
 
 class TtftModel:
@@ -82,7 +92,7 @@ class TtftModel:
 
     def __init__(self, priors: TtftPriors | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.priors = priors or TtftPriors()
-        self._clock = clock
+        self.clock = clock
         self._rates: dict[str, EndpointRates] = {}
         self.pool = self._new_rates()
 
@@ -106,19 +116,23 @@ class TtftModel:
             rates = self._rates[endpoint] = self._new_rates()
         return rates
 
+    def speeds(self, rates: EndpointRates) -> tuple[float, float]:
+        """(prefill, drain) tokens/s for one endpoint's `rates`: each its own estimate shrunk
+        towards the pool's, and the drain rate never above the prefill rate (decoding alongside
+        only slows the queue down; an overestimate would drain the backlog at once and let every
+        request herd onto the endpoint the last scrape showed idle)."""
+        pool = self.pool
+        prefill = _shrunk(rates.prefill_tokens_per_second, rates.prefill_samples, pool.prefill_tokens_per_second)
+        drain = _shrunk(rates.drain_tokens_per_second, rates.drain_samples, pool.drain_tokens_per_second)
+        return prefill, min(drain, prefill)
+
     def prefill_rate(self, endpoint: str) -> float:
-        """Prefill tokens/s at `endpoint`: its own estimate shrunk towards the pool's."""
-        rates = self.rates(endpoint)
-        return _shrunk(rates.prefill_tokens_per_second, rates.prefill_samples, self.pool.prefill_tokens_per_second)
+        """Prefill tokens/s at `endpoint` (see `speeds`)."""
+        return self.speeds(self.rates(endpoint))[0]
 
     def drain_rate(self, endpoint: str) -> float:
-        """Queued prefill tokens/s `endpoint` works off: its own estimate shrunk towards the pool's,
-        and never above its prefill rate (decoding alongside only slows the queue down). An
-        overestimate would drain the backlog at once and let every request herd onto the
-        endpoint the last scrape showed idle."""
-        rates = self.rates(endpoint)
-        drain = _shrunk(rates.drain_tokens_per_second, rates.drain_samples, self.pool.drain_tokens_per_second)
-        return min(drain, self.prefill_rate(endpoint))
+        """Queued prefill tokens/s `endpoint` works off (see `speeds`)."""
+        return self.speeds(self.rates(endpoint))[1]
 
     def forget(self, endpoints: Iterable[str]) -> None:
         for endpoint in endpoints:
@@ -127,12 +141,7 @@ class TtftModel:
     def backlog(self, endpoint: str, now: float | None = None) -> float:
         """The picker's own prefill backlog at `endpoint` (tokens), drained up to now."""
         rates = self.rates(endpoint)
-        now = self._clock() if now is None else now
-        if rates.backlog_tokens > 0.0:
-            drained = (now - rates.backlog_time) * self.drain_rate(endpoint)
-            rates.backlog_tokens = max(0.0, rates.backlog_tokens - drained)
-        rates.backlog_time = now
-        return rates.backlog_tokens
+        return _drain(rates, self.speeds(rates)[1], self.clock() if now is None else now)
 
     def work_ahead(self, state: EndpointState, now: float | None = None) -> float:
         """Prefill tokens queued in front of a new request at `state`'s endpoint.
@@ -141,9 +150,7 @@ class TtftModel:
         scraped running ones when that is larger (the scrape lags behind a burst of picks).
         """
         rates = self.rates(state.address)
-        metrics = state.metrics
-        waiting = max(metrics.waiting_queue_size, state.in_flight_requests - metrics.running_requests_size)
-        return max(waiting * rates.typical_prompt_tokens, self.backlog(state.address, now))
+        return _work_ahead(state, rates, self.speeds(rates)[1], self.clock() if now is None else now)
 
     def estimate(
         self,
@@ -151,16 +158,23 @@ class TtftModel:
         prompt_tokens: int,
         cached_tokens: int,
         now: float | None = None,
+        interference_weight: float = 0.0,
     ) -> TtftEstimate:
-        ahead = self.work_ahead(state, now)
+        """The predicted TTFT at `state`'s endpoint of a prompt with `cached_tokens` cached there
+        (`now`: the request's clock reading, read once for all candidates)."""
+        rates = self.rates(state.address)
+        prefill_rate, drain_rate = self.speeds(rates)
+        ahead = _work_ahead(state, rates, drain_rate, self.clock() if now is None else now)
         uncached = max(0, prompt_tokens - cached_tokens)
-        return TtftEstimate(
-            ahead / self.drain_rate(state.address),
-            uncached / self.prefill_rate(state.address),
-            self.priors.overhead_seconds,
-            ahead,
-            uncached,
-        )
+        queue = ahead / drain_rate
+        prefill = uncached / prefill_rate
+        overhead = self.priors.overhead_seconds
+        interference = 0.0
+        if interference_weight > 0.0:
+            metrics = state.metrics
+            running = max(metrics.running_requests_size, state.in_flight_requests - metrics.waiting_queue_size)
+            interference = interference_weight * prefill * running
+        return TtftEstimate(overhead + queue + prefill, queue, prefill, overhead, ahead, uncached, interference)
 
     def add_backlog(self, endpoint: str, tokens: float, now: float | None = None) -> None:
         """A request with `tokens` uncached prompt tokens was sent to `endpoint`."""
@@ -210,13 +224,27 @@ class TtftModel:
         return current + alpha * (sample - current)
 
 
+def _drain(rates: EndpointRates, drain_rate: float, now: float) -> float:
+    """`rates`' backlog drained at `drain_rate` up to `now`."""
+    if rates.backlog_tokens > 0.0:
+        rates.backlog_tokens = max(0.0, rates.backlog_tokens - (now - rates.backlog_time) * drain_rate)
+    rates.backlog_time = now
+    return rates.backlog_tokens
+
+
+def _work_ahead(state: EndpointState, rates: EndpointRates, drain_rate: float, now: float) -> float:
+    metrics = state.metrics
+    waiting = max(metrics.waiting_queue_size, state.in_flight_requests - metrics.running_requests_size)
+    return max(waiting * rates.typical_prompt_tokens, _drain(rates, drain_rate, now))
+
+
 def _shrunk(own: float, samples: int, pool: float) -> float:
     weight = samples / (samples + POOL_SHRINK_SAMPLES)
     return weight * own + (1.0 - weight) * pool
 
 
 def ttft_scores(estimates: list[TtftEstimate]) -> list[float]:
-    """best / predicted per endpoint: 1.0 for the fastest, in (0, 1] for the rest."""
-    seconds = [e.seconds for e in estimates]
+    """best / predicted cost per endpoint: 1.0 for the cheapest, in (0, 1] for the rest."""
+    seconds = [e.cost_seconds for e in estimates]
     best = min(seconds, default=0.0)
     return [best / s if s > 0 else 1.0 for s in seconds]

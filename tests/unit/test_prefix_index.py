@@ -89,3 +89,41 @@ def test_removed_endpoints_are_forgotten() -> None:
     assert index.endpoints() == ["b"] and len(index) == 3
     index.remove(["b"])
     assert index.match([1]) == {} and len(index) == 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reused_blocks_count_only_blocks_sent_again_within_the_window() -> None:
+    clock = _Clock()
+    index = PrefixIndex(default_capacity=100, reuse_window_s=10.0, clock=clock)
+    index.insert("a", [1, 2, 3, 4])
+    assert index.reused_blocks("a") == 0  # sent once: a one-off prompt, not a working set
+    index.insert("a", [1, 2, 5])
+    assert index.reused_blocks("a") == 2
+    clock.now += 6
+    index.insert("a", [1, 2, 3])  # 1 and 2 again (their window restarts), 3 for the first time
+    assert index.reused_blocks("a") == 3
+    clock.now += 6  # the first reuse of 1 and 2 has expired, not their second
+    assert index.reused_blocks("a") == 3
+    clock.now += 5
+    assert index.reused_blocks("a") == 0
+    assert index.reused_blocks("unknown") == 0
+
+
+def test_evicted_and_removed_blocks_leave_the_reused_set() -> None:
+    clock = _Clock()
+    index = PrefixIndex(default_capacity=4, reuse_window_s=10.0, clock=clock)
+    index.insert("a", [1, 2, 3])
+    index.insert("a", [1, 2, 3])
+    assert index.reused_blocks("a") == 3
+    index.insert("a", [7, 8])  # evicts the tail of the reused prefix: block 3
+    assert index.reused_blocks("a") == 2
+    assert index.match([1, 2, 3]) == {"a": 2}
+    index.remove(["a"])
+    assert index.reused_blocks("a") == 0

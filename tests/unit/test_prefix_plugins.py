@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from picker.prefix.plugins import (
     PROMPT_BLOCKS_KEY,
     TTFT_MODEL_KEY,
     ApproxPrefixCacheProducer,
+    CacheFitScorer,
     PrefixCacheScorer,
     PrefixMatch,
     TtftCostScorer,
@@ -25,6 +27,7 @@ from picker.prefix.plugins import (
 from picker.prefix.prompt_blocks import CHARS, TOKENS
 from picker.prefix.ttft import TtftModel
 from picker.request.model import Api, InferenceRequest, Message, ResponseOutcome, Usage
+from picker.scheduling.decisions import DecisionLog
 from picker.scheduling.framework import Handle
 from picker.scheduling.pickers import MaxScorePicker
 from picker.scheduling.profile_handler import SingleProfileHandler
@@ -133,6 +136,31 @@ def test_auto_tune_takes_block_size_and_capacity_from_engine_metrics() -> None:
     assert blocks.block_tokens == 32 and len(blocks.hashes) == 8  # 1000 chars / 128 → 7 + tail
     producer.pre_request(request, result)
     assert producer.index.capacity(ADDRESSES[0]) == 3 and len(producer.index) == 3
+
+
+def test_a_new_prefix_avoids_an_endpoint_whose_cache_is_full_of_reused_prefixes() -> None:
+    # Each endpoint caches 50 char blocks; a prompt here is 19 (18 of prefix + its question).
+    store = _store(ADDRESSES[:1])
+    producer = _producer(Handle(store), autoTune=False, lruCapacityPerServer=50)
+    fit = WeightedScorer(CacheFitScorer("cache-fit-scorer"), 1.0)
+    scheduler = _scheduler(producer, [fit])
+    prefixes = {name: name * (len(PROMPT) // len(name)) for name in ("alpha ", "beta ", "gamma ")}
+    for name in ("alpha ", "beta "):  # two shared prefixes, each sent twice: reused at the first endpoint
+        for i in range(2):
+            request = _completion(f"{name}{i}", f"{prefixes[name]}question {i}")
+            producer.pre_request(request, scheduler.schedule(request, store.snapshot()))
+    assert producer.index.reused_blocks(ADDRESSES[0]) == 36
+    store.set_endpoints([Endpoint(a.split(":")[0], 8000, name=a) for a in ADDRESSES])
+
+    def fit_scores(prompt: str) -> dict[str, float]:
+        result = scheduler.schedule(_completion("probe", prompt), store.snapshot())
+        default = result.profile_results["default"]
+        return dict(zip([c.address for c in default.candidates], default.scores["cache-fit-scorer"]))
+
+    # A third prefix would push reused blocks out of the first endpoint: 0 there, 1 elsewhere.
+    assert fit_scores(prefixes["gamma "] + "new") == {a: float(a != ADDRESSES[0]) for a in ADDRESSES}
+    # A known prefix needs only its question there: it fits.
+    assert fit_scores(prefixes["alpha "] + "question 9")[ADDRESSES[0]] == 1.0
 
 
 def test_endpoints_removed_from_the_datastore_are_forgotten() -> None:
@@ -425,3 +453,28 @@ def test_the_ttft_model_trusts_engine_reported_cache_over_the_approximate_guess(
     state[ENGINE_CACHED_TOKENS_KEY] = {guessed: 0, other: prompt}  # the engines say otherwise
     scores = dict(zip([c.address for c in candidates], ttft.score(request, state, candidates)))
     assert scores[other] == 1.0 and scores[guessed] < 1.0
+
+
+def test_the_decision_log_explains_predicted_and_observed_ttft() -> None:
+    store = _store(ADDRESSES[:2])
+    producer = _producer(Handle(store), tokenizers={"m": "builtin"})
+    ttft = WeightedScorer(TtftCostScorer("ttft-cost-scorer", TtftModel()), 1.0)
+    log = DecisionLog()
+    profile = SchedulerProfile("default", [], [ttft], MaxScorePicker("max-score-picker", rng=random.Random(0)))
+    scheduler = Scheduler(SingleProfileHandler("single-profile-handler"), [profile], [producer], decision_log=log)
+    request = _completion("e1", PROMPT)
+    result = scheduler.schedule(request, store.snapshot())
+    producer.pre_request(request, result)
+    (entry,) = log.entries()
+    predicted = entry["explain"]["predicted_ttft"]
+    assert set(predicted) == set(ADDRESSES[:2])
+    prompt = result.cycle_state[PROMPT_BLOCKS_KEY].prompt_tokens
+    assert all(p["uncached_tokens"] == prompt and p["seconds"] > 0 for p in predicted.values())
+    assert "observed_ttft" not in entry["explain"]  # not until the response ends
+    target = result.targets[0].address
+    producer.response_complete(request, result, ResponseOutcome(target, 200, 0.25, 1.0, Usage(prompt, 1, 0)))
+    (entry,) = log.entries()
+    assert entry["explain"]["observed_ttft"] == {
+        "endpoint": target, "seconds": 0.25, "prompt_tokens": prompt, "cached_tokens": 0,
+    }
+    json.dumps(entry)  # what /debug/decisions serves

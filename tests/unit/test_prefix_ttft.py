@@ -6,7 +6,7 @@ import pytest
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.prefix.plugins import (
-    PREDICTED_TTFT_KEY,
+    PREDICTED_TTFT,
     PREFIX_MATCH_KEY,
     PrefixMatch,
     TtftCostScorer,
@@ -29,11 +29,11 @@ class Clock:
         return self.now
 
 
-def _state(address: str, waiting: int = 0) -> EndpointState:
+def _state(address: str, waiting: int = 0, running: int = 0) -> EndpointState:
     ip, port = address.split(":")
     return EndpointState(
         Endpoint(ip, int(port)),
-        EndpointMetrics(waiting_queue_size=waiting, update_time=1.0),
+        EndpointMetrics(waiting_queue_size=waiting, running_requests_size=running, update_time=1.0),
     )
 
 
@@ -68,7 +68,7 @@ def test_cached_pod_wins_while_its_queue_wait_is_below_the_prefill_saving() -> N
     cycle = _cycle(8192, 500)
     scores = scorer.score(REQUEST, cycle, candidates)
     assert scores[0] == 1.0 and scores[1] < 1.0
-    predicted = cycle[PREDICTED_TTFT_KEY]
+    predicted = cycle.explain()[PREDICTED_TTFT]
     assert predicted[CACHED].seconds == pytest.approx(0.01 + 0.2048 + 192 / 5000)
     assert predicted[IDLE].seconds == pytest.approx(0.01 + 8192 / 5000)
 
@@ -82,6 +82,21 @@ def test_idle_pod_wins_once_the_queue_wait_exceeds_the_prefill_saving() -> None:
     scores = scorer.score(REQUEST, _cycle(8192, 500), candidates)
     assert scores[1] == 1.0 and scores[0] < 1.0
     assert 0.0 < scores[0] < 1.0
+
+
+def test_interference_sends_a_miss_to_a_quiet_endpoint_and_keeps_a_hit_at_its_busy_holder() -> None:
+    # 2,048-token prompt: 2,000 tokens cached at CACHED, which runs 10 requests; IDLE runs 1.
+    # TTFT alone prefers CACHED for both. A miss elsewhere would stall CACHED's 10 requests for its
+    # whole prefill: with the stall counted, the miss (nothing cached anywhere) goes to IDLE.
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, overhead_seconds=0.0))
+    busy, quiet = _state(CACHED, running=10), _state(IDLE, running=1)
+    hit = [model.estimate(busy, 2048, 2000, None, 1.0), model.estimate(quiet, 2048, 0, None, 1.0)]
+    assert ttft_scores(hit)[0] == 1.0  # 48 tokens stall 10 requests less than 2,048 stall one
+    miss = [model.estimate(busy, 2048, 0, None, 1.0), model.estimate(quiet, 2048, 0, None, 1.0)]
+    assert miss[0].seconds == miss[1].seconds  # the same TTFT...
+    assert miss[0].interference_seconds == pytest.approx(10 * 2048 / 5000)  # ...but 10 stalled requests
+    assert ttft_scores(miss)[1] == 1.0 and ttft_scores(miss)[0] < 0.2
+    assert model.estimate(busy, 2048, 0).interference_seconds == 0.0  # off unless weighted
 
 
 def test_scores_are_best_over_predicted_in_unit_range() -> None:
