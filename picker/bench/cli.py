@@ -12,7 +12,7 @@ from types import FrameType
 
 from picker.bench import report as reports
 from picker.bench import workloads
-from picker.bench.runner import BenchPlan, run
+from picker.bench.runner import BenchPlan, bounds_of, run
 from picker.bench.systems import KINDS, FleetOptions, parse_systems
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc")
@@ -47,9 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the same open-loop workload through each system in front of a cold `picker sim` "
         "fleet and compare TTFT, latency, throughput, prefix hit ratio and load spread.",
     )
-    p.add_argument("--systems", required=True,
+    p.add_argument("--systems",
                    help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
                    "picker, picker:LABEL, external:URL")
+    p.add_argument("--bounds-only", action="store_true",
+                   help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
+                   "hit ratio, TTFT floor) and exit without starting anything")
     p.add_argument("--workload", required=True, help=f"{' | '.join(WORKLOADS)} | PATH to a Mooncake JSONL trace")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
     p.add_argument("--duration", type=float,
@@ -138,7 +141,9 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         raise ValueError("--time-scale must be positive")
     if args.rate is not None and args.rate <= 0:
         raise ValueError("--rate must be positive")
-    systems = parse_systems(args.systems.split(","), parse_picker_configs(args.picker_config))
+    if not args.systems and not args.bounds_only:
+        raise ValueError("--systems is required (or --bounds-only)")
+    systems = parse_systems(args.systems.split(","), parse_picker_configs(args.picker_config)) if args.systems else []
     workload, sessions, settings = build_sessions(args)
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
@@ -184,5 +189,11 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"picker bench: {e}", file=sys.stderr)
         return 2
+    if args.bounds_only:
+        bounds = bounds_of(plan.sessions, plan.fleet)
+        print(f"{plan.workload}: {sum(len(s.turns) for s in plan.sessions)} requests on {plan.fleet.pods} pods")
+        print(f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
+              f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}")
+        return 0
     return execute(plan)
 

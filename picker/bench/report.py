@@ -47,9 +47,8 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
 
-def floor_text(report: BenchReport) -> str:
-    """`p50/p90/p99 A/B/C ms` of the TTFT floor, or `-` when it was not computed."""
-    floor = report.ttft_floor_s
+def floor_text(floor: dict[str, float | None]) -> str:
+    """`p50/p90/p99 A/B/C ms` of a TTFT floor, or `-` when it was not computed."""
     if not floor:
         return "-"
     return "p50/p90/p99 " + "/".join(_ms(floor.get(q)) for q in ("p50", "p90", "p99")) + " ms"
@@ -95,7 +94,7 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
          "(no router can hit more); fleet-cache bound: "
          f"**{_pct(report.fleet_bound_hit_ratio)}** (one cache of the whole fleet's KV blocks with "
          "optimal offline eviction: no router can hit more on this fleet)."), "",
-        (f"TTFT floor: **{floor_text(report)}**, every prompt with its infinite-cache hits prefilled "
+        (f"TTFT floor: **{floor_text(report.ttft_floor_s)}**, every prompt with its infinite-cache hits prefilled "
          "alone on an idle simulated engine (no router's TTFT percentiles can be lower)."), "",
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(row) + " |" for row in rows), "",

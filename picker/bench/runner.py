@@ -93,7 +93,7 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
     report.ttft_floor_s = bounds.ttft_floor_s
     log(f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
         f"infinite-cache bound {bounds.hit_ratio * 100:.1f}%, fleet-cache bound {bounds.fleet_hit_ratio * 100:.1f}%, "
-        f"TTFT floor {reports.floor_text(report)}")
+        f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}")
     try:
         for index, spec in enumerate(plan.systems):
             tag = f"{index}-{spec.kind}"

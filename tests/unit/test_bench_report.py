@@ -107,6 +107,7 @@ def test_parse_systems() -> None:
         (["--systems", "round-robin", "--workload", "shared-prefix", "--groups", "0"], "--groups"),
         (["--systems", "round-robin", "--workload", "multi-turn", "--duration", "0"], "--duration"),
         (["--systems", "picker:a", "--workload", "shared-prefix", "--picker-config", "a=/no/file"], "no such file"),
+        (["--workload", "shared-prefix"], "--systems is required"),
     ],
 )
 def test_cli_rejects_bad_input_without_a_traceback(argv: list[str], message: str, capsys, tmp_path: Path) -> None:
@@ -114,6 +115,15 @@ def test_cli_rejects_bad_input_without_a_traceback(argv: list[str], message: str
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "pids").exists()  # nothing was started
+
+
+def test_bounds_only_prints_what_no_router_can_beat_and_starts_nothing(capsys, tmp_path: Path) -> None:
+    argv = ["--bounds-only", "--workload", "shared-prefix", "--groups", "4", "--duration", "5", "--pods", "2",
+            "--num-gpu-blocks", "64", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "infinite-cache bound" in out and "fleet-cache bound" in out and "TTFT floor p50/p90/p99" in out
+    assert not list(tmp_path.iterdir())  # nothing was started or written
 
 
 def test_demo_runs_a_valid_plan_and_summarizes_it(tmp_path: Path) -> None:
