@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from picker.datastore.endpoint import EndpointState
 
@@ -68,10 +69,10 @@ class EndpointRates:
     drain_samples: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class TtftEstimate:
+class TtftEstimate(NamedTuple):
     """One endpoint's predicted TTFT (`seconds`), its parts, and the stall it would impose on the
-    requests running there (`interference_seconds`, already weighted)."""
+    requests running there (`interference_seconds`, already weighted). A named tuple rather than
+    a frozen dataclass: one is built per candidate per request, and it builds 3× faster."""
 
     seconds: float
     queue_seconds: float

@@ -53,9 +53,12 @@ def _decision(at: float, request: InferenceRequest, result: SchedulingResult) ->
 
 
 def _json_ready(value: Any) -> Any:
-    """Explain values as JSON: dataclasses as dicts, mappings and sequences element by element."""
+    """Explain values as JSON: dataclasses and named tuples as dicts, mappings and sequences
+    element by element."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return dict(value._asdict())
     if isinstance(value, Mapping):
         return {str(k): _json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
