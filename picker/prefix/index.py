@@ -145,7 +145,9 @@ class PrefixIndex:
         if reused:
             if reuse is None:
                 reuse = self._reuse[endpoint] = _RecentReuse()
-            reuse.touch(reused, self._clock())
+            now = self._clock()
+            reuse.touch(reused, now)
+            reuse.expire(now - self.reuse_window_s)  # bounded even if nobody asks for the count
         limit = self._capacities[endpoint]
         while len(lru) > limit:
             block, _ = lru.popitem(last=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import xxhash
 
@@ -127,3 +128,24 @@ def test_evicted_and_removed_blocks_leave_the_reused_set() -> None:
     assert index.match([1, 2, 3]) == {"a": 2}
     index.remove(["a"])
     assert index.reused_blocks("a") == 0
+
+
+def test_the_reuse_log_stays_bounded_when_nobody_reads_it() -> None:
+    clock = _Clock()
+    index = PrefixIndex(default_capacity=100, reuse_window_s=10.0, clock=clock)
+
+    def send(times: int) -> None:  # a config without cache-fit-scorer never asks for the count
+        for _ in range(times):
+            index.insert("a", [1, 2, 3])
+            clock.now += 1.0
+
+    send(100)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        send(5000)  # ~150 bytes a reuse if the log were never trimmed
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000
+    assert index.reused_blocks("a") == 3
