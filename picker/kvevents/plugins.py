@@ -71,12 +71,11 @@ class PreciseConfig:
     auto_tune: bool = True
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any] | None) -> PreciseConfig:
+    def parse(cls, raw: Mapping[str, Any] | None) -> tuple[PreciseConfig, dict[str, Any]]:
+        """The config, and the effective parameters (defaults included) for `config show`."""
         p = Parameters(raw)
-        port: int | None = p.integer("kvEventsPort", 5557, at_least=1)
-        if raw is not None and "kvEventsPort" in raw and raw["kvEventsPort"] is None:
-            port = None
-        replay = p.integer("kvEventsReplayPort", 0, at_least=1) or None
+        port = p.optional_integer("kvEventsPort", 5557, at_least=1)
+        replay = p.optional_integer("kvEventsReplayPort", None, at_least=1)
         for key, value in (("kvEventsPort", port), ("kvEventsReplayPort", replay)):
             if value is not None and value > 65535:
                 raise PluginConfigError(f"{key}: must be a port number, got {value}")
@@ -99,8 +98,7 @@ class PreciseConfig:
             capacity=p.integer("capacityPerEndpoint", 200_000, at_least=1),
             auto_tune=p.boolean("autoTune", True),
         )
-        p.finish()
-        return config
+        return config, p.finish()
 
 
 def _weight(value: Any, tier: str) -> float:
@@ -154,7 +152,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
-        config = PreciseConfig.parse(parameters)
+        config, effective = PreciseConfig.parse(parameters)
         holder: dict[str, PreciseRuntime] = handle.persistent(_SHARED_KEY, dict)
         runtime = holder.get("runtime")
         if runtime is None or runtime.config != config:
@@ -170,7 +168,9 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
             if handle.datastore is not None:
                 subscriber = KVEventSubscriber(index, handle.datastore, config.subscriber)
             runtime = holder["runtime"] = PreciseRuntime(config, index, subscriber)
-        return cls(name, runtime)
+        scorer = cls(name, runtime)
+        scorer.parameters = effective
+        return scorer
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         """Match the request once, before scoring, so that other plugins (the TTFT cost model)

@@ -149,15 +149,15 @@ class PrefixConfig:
     reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
 
     @classmethod
-    def parse(cls, raw: Mapping[str, Any]) -> PrefixConfig:
+    def parse(cls, raw: Mapping[str, Any]) -> tuple[PrefixConfig, dict[str, Any]]:
+        """The config, and the effective parameters (defaults included) for `config show`."""
         p = Parameters(raw)
         auto_tune = p.boolean("autoTune", True)
-        block_size_tokens = p.integer("blockSizeTokens", 0, at_least=1)
-        if p.integer("blockSize", 0, at_least=1) and not block_size_tokens:
+        if p.deprecated("blockSize") is not None and "blockSizeTokens" not in raw:
             raise PluginConfigError("blockSize: deprecated (characters); set blockSizeTokens instead")
         config = cls(
             auto_tune=auto_tune,
-            block_size_tokens=block_size_tokens or 16,
+            block_size_tokens=p.integer("blockSizeTokens", 16, at_least=1),
             max_prefix_blocks=p.integer("maxPrefixBlocksToMatch", 256, at_least=1),
             max_prefix_tokens=p.integer("maxPrefixTokensToMatch", 0, at_least=0),
             lru_capacity_per_server=p.integer("lruCapacityPerServer", DEFAULT_LRU_CAPACITY, at_least=1),
@@ -167,8 +167,7 @@ class PrefixConfig:
             token_cache_tokens=p.integer("tokenCacheTokens", DEFAULT_CAPACITY_TOKENS, at_least=1),
             reuse_window_s=p.number("reuseWindowSeconds", DEFAULT_REUSE_WINDOW_S, above=0),
         )
-        p.finish()
-        return config
+        return config, p.finish()
 
     def sizing(self, candidates: Sequence[EndpointState]) -> BlockSizing:
         """Block sizes for one request: with autoTune, the first candidate's engine block size."""
@@ -234,7 +233,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
-        config = PrefixConfig.parse(parameters)
+        config, effective = PrefixConfig.parse(parameters)
         tokenizers: dict[str, PromptTokenizer] = {}
         for model, spec in config.tokenizers.items():
             try:
@@ -264,7 +263,9 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             _EXECUTOR_KEY,
             lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
         )
-        return cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft)
+        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft)
+        producer.parameters = effective
+        return producer
 
     # -- request path ----------------------------------------------------------------------
 
@@ -468,10 +469,12 @@ class TtftCostScorer(Scorer):
             ewma_alpha=p.number("ewmaAlpha", defaults.ewma_alpha, above=0, at_most=1),
         )
         interference_weight = p.number("interferenceWeight", 0.0, at_least=0)
-        p.finish()
+        effective = p.finish()
         model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
         model.set_priors(priors)
-        return cls(name, model, interference_weight)
+        scorer = cls(name, model, interference_weight)
+        scorer.parameters = effective
+        return scorer
 
     def score(
         self,

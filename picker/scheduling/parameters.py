@@ -101,6 +101,16 @@ class Parameters:
             raise PluginConfigError(f"{key}: must be >= {at_least}, got {value!r}")
         return self._keep(key, value)
 
+    def optional_integer(self, key: str, default: int | None, *, at_least: int | None = None) -> int | None:
+        """An integer, or None when set to null (`default` when absent)."""
+        if self._get(key) is None and (key in self._raw or default is None):
+            return self._keep(key, None)
+        return self.integer(key, default if default is not None else 0, at_least=at_least)
+
+    def deprecated(self, key: str) -> Any:
+        """The raw value of a parameter still accepted but no longer used (not shown as effective)."""
+        return self._get(key)
+
     def boolean(self, key: str, default: bool) -> bool:
         value = self._get(key)
         if value is None:

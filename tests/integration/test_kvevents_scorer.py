@@ -132,6 +132,6 @@ def test_bad_parameters_are_named(parameters: dict, message: str) -> None:
 
 
 def test_parameters_have_the_documented_defaults() -> None:
-    parsed = PreciseConfig.parse({"kvEventsReplayPort": 5558, "tierWeights": {"cpu": 0.5}, "speculativeTTL": "500ms"})
+    parsed, _ = PreciseConfig.parse({"kvEventsReplayPort": 5558, "tierWeights": {"cpu": 0.5}, "speculativeTTL": "500ms"})
     assert (parsed.subscriber.port, parsed.subscriber.replay_port, parsed.subscriber.topic_filter) == (5557, 5558, "kv@")
     assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from picker.config.loader import LoadedConfig, build, parse_file
+import pytest
+
+from picker.config.loader import LoadedConfig, build, parse_file, parse_text, to_yaml
 from picker.kvevents.plugins import PreciseScorer
 from picker.prefix.plugins import ApproxPrefixCacheProducer
 
@@ -40,7 +42,7 @@ def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
     producers = [p for p in loaded.plugins.values() if isinstance(p, ApproxPrefixCacheProducer)]
     assert len(producers) == 1 and producers[0].config.max_load_factor == 0
-    assert _parameters(loaded, "ttft-cost-scorer") == {"interferenceWeight": 1}  # misses go to quiet pods
+    assert _parameters(loaded, "ttft-cost-scorer")["interferenceWeight"] == 1  # misses go to quiet pods
 
 
 def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publishers() -> None:
@@ -49,8 +51,22 @@ def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publish
         "ttft-cost-scorer": 3.0, "precise-prefix-cache-scorer": 2.0, "queue-scorer": 1.0, "cache-fit-scorer": 3.0,
     }
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
-    assert _parameters(loaded, "ttft-cost-scorer") == {"interferenceWeight": 1}
+    assert _parameters(loaded, "ttft-cost-scorer")["interferenceWeight"] == 1
     (scorer,) = (p for p in loaded.plugins.values() if isinstance(p, PreciseScorer))
     config = scorer.runtime.config
     assert config.block_size == 16  # picker sim's KV block size: the producer's hashes are used as they are
     assert config.subscriber.port is None  # only endpoints whose entry names a kvEventsAddress
+
+
+@pytest.mark.parametrize("name", ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml"])
+def test_config_show_prints_every_effective_parameter_and_loads_back_the_same(name: str) -> None:
+    loaded = build(parse_file(CONFIGS / name))
+    shown = to_yaml(loaded.config)  # what `picker config show` prints
+    assert build(parse_text(shown)).config == loaded.config
+    producer = _parameters(loaded, "approx-prefix-cache-producer")
+    assert producer["blockSizeTokens"] == 16 and "reuseWindowSeconds" in producer and "blockSize" not in producer
+    if name != "reference-approx.yaml":
+        assert _parameters(loaded, "ttft-cost-scorer")["prefillTokensPerSecond"] == 5000.0
+    if name == "picker-precise.yaml":
+        precise = _parameters(loaded, "precise-prefix-cache-scorer")
+        assert precise["kvEventsPort"] is None and precise["kvEventsReplayPort"] is None  # null: none, as configured
