@@ -4,6 +4,7 @@ controllers run, so the install creating every object is the check)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ CASES: dict[str, dict[str, Any]] = {
     "ha-pdb-min": {"inferenceExtension": {"replicas": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": 1}}},
     "pdb-max": {"inferenceExtension": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}},
     "service-monitor": {"inferenceExtension": {"monitoring": {"interval": "15s", "serviceMonitor": {
-        "enabled": True, "labels": {"release": "prometheus"}}}}},
+        "enabled": True, "labels": {"release": "prometheus"}}, "grafanaDashboard": {"enabled": True}}}},
     "gke-http": {"provider": {"name": "gke"}},
     "gke-grpc": {"provider": {"name": "gke", "gke": {"modelServerProtocol": "grpc", "backendTimeoutSec": 600}}},
     "istio": {"provider": {"name": "istio", "istio": {"destinationRule": {
@@ -166,6 +167,14 @@ def test_default_deployment_matches_the_reference_shape(helm_binary, helm_env, t
     assert container["resources"]["requests"]
     assert by_kind["InferencePool"]["spec"]["endpointPickerRef"] == {
         "name": "rel-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+
+
+def test_the_grafana_dashboard_configmap_carries_the_shipped_dashboard(helm_binary, helm_env, tmp_path) -> None:
+    values = {"inferenceExtension": {"monitoring": {"grafanaDashboard": {"enabled": True}}}}
+    docs = render(helm_binary, helm_env, values_file(tmp_path, values))
+    (dashboard,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-epp-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["picker.json"]) == json.loads((CHART / "dashboards" / "picker.json").read_text())
 
 
 def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) -> None:
