@@ -6,7 +6,6 @@ when someone reads the log, so an enabled log costs the request path one append.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -53,10 +52,7 @@ def _decision(at: float, request: InferenceRequest, result: SchedulingResult) ->
 
 
 def _json_ready(value: Any) -> Any:
-    """Explain values as JSON: dataclasses and named tuples as dicts, mappings and sequences
-    element by element."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+    """Explain values as JSON: named tuples as dicts, mappings and sequences element by element."""
     if isinstance(value, tuple) and hasattr(value, "_asdict"):
         return dict(value._asdict())
     if isinstance(value, Mapping):

@@ -47,7 +47,7 @@ class CycleState(dict[str, Any]):
 
     def explain(self) -> dict[str, Any]:
         """What plugins want `/debug/decisions` to show about this decision, by topic (JSON-ready
-        values or dataclasses, converted only when the log is read). Created on first use."""
+        values or named tuples, converted only when the log is read). Created on first use."""
         explain: dict[str, Any] = self.setdefault(EXPLAIN_KEY, {})
         return explain
 
