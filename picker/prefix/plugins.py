@@ -153,7 +153,7 @@ class PrefixConfig:
         """The config, and the effective parameters (defaults included) for `config show`."""
         p = Parameters(raw)
         auto_tune = p.boolean("autoTune", True)
-        if p.deprecated("blockSize") is not None and "blockSizeTokens" not in raw:
+        if p.deprecated("blockSize") is not None and "blockSizeTokens" not in (raw or {}):
             raise PluginConfigError("blockSize: deprecated (characters); set blockSizeTokens instead")
         config = cls(
             auto_tune=auto_tune,
