@@ -7,7 +7,11 @@ the event's tokens are re-chunked at the picker's block size and the own chain i
 from the own key of the event's `parent_block_hash` (or from the scope seed for a chain's
 first block). Engine and picker block sizes may differ: an engine block then maps to the own
 blocks it covers, and a partial own block at an event's end is carried in the engine block's
-"tail" until a child event completes it.
+"tail" until a child event completes it. Known limit of differing sizes: an own block spanning
+a parent and a child engine block is dropped when the parent is evicted, and is not restored if
+the parent alone is stored again while the child stayed cached (only offloading tiers evict a
+parent before its child). The index then under-reports that prefix until the child is stored
+again; it never over-reports. With equal sizes (the shipped configs) this cannot happen.
 
 Scopes. An event carries the LoRA name but neither the request's `cache_salt` nor the
 picker's tenant. A chain's first block is therefore placed under, in order of preference:
