@@ -7,11 +7,9 @@ the event's tokens are re-chunked at the picker's block size and the own chain i
 from the own key of the event's `parent_block_hash` (or from the scope seed for a chain's
 first block). Engine and picker block sizes may differ: an engine block then maps to the own
 blocks it covers, and a partial own block at an event's end is carried in the engine block's
-"tail" until a child event completes it. Known limit of differing sizes: an own block spanning
-a parent and a child engine block is dropped when the parent is evicted, and is not restored if
-the parent alone is stored again while the child stayed cached (only offloading tiers evict a
-parent before its child). The index then under-reports that prefix until the child is stored
-again; it never over-reports. With equal sizes (the shipped configs) this cannot happen.
+"tail" until a child event completes it. An own block spanning several engine blocks remembers
+them, so after a parent-first eviction (offloading tiers evict that way) it returns when the
+parent is stored again while the child stayed cached.
 
 Scopes. An event carries the LoRA name but neither the request's `cache_salt` nor the
 picker's tenant. A chain's first block is therefore placed under, in order of preference:
@@ -84,7 +82,7 @@ class _EngineBlock:
 class _EndpointCache:
     """What the index knows about one endpoint."""
 
-    __slots__ = ("capacity", "engine", "groups", "known", "model", "speculative", "tiers")
+    __slots__ = ("capacity", "cover", "covered_by", "engine", "groups", "known", "model", "speculative", "tiers")
 
     def __init__(self, model: str, capacity: int) -> None:
         self.model = model
@@ -94,6 +92,10 @@ class _EndpointCache:
         self.engine: dict[int, _EngineBlock] = {}  # engine hash -> mapping
         self.speculative: dict[int, float] = {}  # own key -> expiry (monotonic seconds)
         self.groups: set[int | None] = set()  # KV-cache groups seen in BlockStored
+        # Own keys spanning several engine blocks (block sizes differ): the engine blocks each
+        # needs, and the reverse, kept past evictions so a key returns with its last block.
+        self.cover: dict[int, tuple[int, ...]] = {}
+        self.covered_by: dict[int, set[int]] = {}
 
 
 class PreciseIndex:
@@ -237,6 +239,10 @@ class PreciseIndex:
                 block = engine.get(h)
                 if block is not None and own[0] not in block.own_keys:
                     block.own_keys.append(own[0])
+        spanning = size != own_size  # own keys may then need several engine blocks
+        covers: list[list[int]] = [[] for _ in own] if spanning else []
+        if spanning and base and own:
+            covers[0].extend(tail_engine)
         for i, h in enumerate(hashes):
             start = base + i * size
             end = start + size
@@ -266,9 +272,47 @@ class PreciseIndex:
             )
             for key in keys:
                 self._add(endpoint, cache, key, tier)
+            if spanning:
+                for j in range(start // own_size, min((end - 1) // own_size + 1, len(own))):
+                    covers[j].append(h)
+        if spanning:
+            self._record_covers(cache, own, covers)
+            self._restore_spanning(endpoint, cache, hashes)
         if len(engine) > 2 * cache.capacity:  # removals were lost: drop the oldest mappings
             for h in list(engine)[: len(engine) - 2 * cache.capacity]:
                 del engine[h]
+
+    def _record_covers(self, cache: _EndpointCache, own: list[int], covers: list[list[int]]) -> None:
+        """Remember which engine blocks each own key spanning several of them needs."""
+        for key, blocks in zip(own, covers):
+            if len(blocks) > 1:
+                cache.cover[key] = tuple(blocks)
+                for h in blocks:
+                    cache.covered_by.setdefault(h, set()).add(key)
+        if len(cache.cover) > 2 * cache.capacity:  # bounded: forgetting only under-reports
+            cache.cover.clear()
+            cache.covered_by.clear()
+
+    def _restore_spanning(self, endpoint: str, cache: _EndpointCache, hashes: Sequence[int]) -> None:
+        """Re-add spanning own keys complete again now that `hashes` are stored: a parent stored
+        again after a parent-first eviction, while its child stayed cached."""
+        engine = cache.engine
+        for h in hashes:
+            for key in cache.covered_by.get(h, ()):
+                if key in cache.tiers:
+                    continue
+                blocks = [engine.get(b) for b in cache.cover.get(key, ())]
+                if not blocks or None in blocks:
+                    continue
+                tier = GPU | CPU
+                for block in blocks:
+                    tier &= block.tiers
+                if not tier:
+                    continue
+                for block in blocks:
+                    if key not in block.own_keys:
+                        block.own_keys.append(key)
+                self._add(endpoint, cache, key, tier)
 
     def _first_block_seed(self, endpoint: str, cache: _EndpointCache, event: BlockStored) -> int:
         scope = event.lora_name or cache.model
@@ -477,6 +521,8 @@ class PreciseIndex:
         cache.engine.clear()
         cache.speculative.clear()
         cache.groups.clear()
+        cache.cover.clear()
+        cache.covered_by.clear()
 
     def _expire(self, now: float) -> None:
         expiries = self._expiries
