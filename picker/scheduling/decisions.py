@@ -52,13 +52,11 @@ def _decision(at: float, request: InferenceRequest, result: SchedulingResult) ->
 
 
 def _json_ready(value: Any) -> Any:
-    """Explain values as JSON: named tuples as dicts, mappings and sequences element by element."""
+    """Explain values as JSON: named tuples as dicts, mappings element by element."""
     if isinstance(value, tuple) and hasattr(value, "_asdict"):
         return dict(value._asdict())
     if isinstance(value, Mapping):
         return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
     return value
 
 
