@@ -1,0 +1,13 @@
+"""picker: an ext_proc endpoint picker for Gateway API inference gateways.
+
+Packages, in the order one request crosses them (README "How a request flows"): `extproc` (the
+Envoy stream) → `requestcontrol` (the director: every request-time hook) → `request` (parsing)
+→ `prefix` / `kvevents` (data producers) → `scheduling` (profiles) → back to Envoy. Beside the
+request path: `discovery` and `datalayer` fill the `datastore`; `config` builds and reloads the
+runtime from an EndpointPickerConfig; `telemetry` exports what happened. `framework` holds the
+plugin interfaces everything implements, `plugins` the one list of plugin types. `sim` and
+`bench` are the simulator and the benchmarks; serving code never imports them.
+
+Dependencies point one way (tests/unit/test_architecture.py checks it): a package imports only
+packages listed as its dependencies in its own docstring.
+"""

@@ -8,47 +8,43 @@ import ctypes
 import importlib.metadata
 import logging
 import os
-import re
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import grpc
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from picker.config.objectives import parse_objectives
-from picker.config.runtime import RuntimeHolder
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.config.schema import ConfigError
-from picker.datalayer.collector import MetricsCollector
+from picker.datalayer.layer import DataLayer
+from picker.datalayer.plugins import scrape_settings
 from picker.datastore.store import Datastore
-from picker.director import Director
-from picker.scheduling.decisions import DecisionLog
-from picker.scheduling.framework import BackgroundWork
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
+from picker.framework.durations import parse_duration as parse_go_duration
+from picker.requestcontrol.director import Director
 from picker.telemetry import metrics
+from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.health import HealthServicer
 from picker.telemetry.http import metrics_app, start_metrics_server
 
-log = logging.getLogger("picker")
+if TYPE_CHECKING:
+    from picker.discovery.kubernetes import KubernetesDiscovery
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+log = logging.getLogger("picker")
 
 
 def parse_duration(text: str) -> float:
-    """A Go duration (`50ms`, `2s`, `1m30s`) in seconds."""
-    text = text.strip()
-    pos, total = 0, 0.0
-    for match in _DURATION.finditer(text):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-        pos = match.end()
-    if pos != len(text) or not text:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (e.g. 50ms, 2s)")
-    return total
+    """A Go duration flag (`50ms`, `2s`, `1m30s`, `0`) in seconds."""
+    try:
+        return parse_go_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_bool(text: str) -> bool:
@@ -60,7 +56,7 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
 
 
-def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help_: str) -> None:
+def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool, help_: str) -> None:
     # Go-style: `--flag`, `--flag=true`, `--flag=false` (the reference chart's syntax).
     parser.add_argument(name, type=parse_bool, nargs="?", const=True, default=default, help=help_)
 
@@ -71,11 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-health-port", type=int, default=9003, help="gRPC health port (default 9003)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to")
-    p.add_argument("--shutdown-delay", type=parse_duration, default=0.0,
-                   help="after SIGTERM, report NOT_SERVING but keep serving this long, so proxies and "
-                        "Kubernetes stop sending new requests first (e.g. 5s)")
-    p.add_argument("--shutdown-grace", type=parse_duration, default=2.0,
-                   help="then let requests in flight finish for up to this long (e.g. 120s for long streams)")
+    p.add_argument(
+        "--shutdown-delay",
+        type=parse_duration,
+        default=0.0,
+        help="after SIGTERM, report NOT_SERVING but keep serving this long, so proxies and "
+        "Kubernetes stop sending new requests first (e.g. 5s)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=parse_duration,
+        default=2.0,
+        help="then let requests in flight finish for up to this long (e.g. 120s for long streams)",
+    )
     src = p.add_argument_group("endpoints")
     src.add_argument("--endpoints", help="static endpoints: ip:port,ip:port,...")
     src.add_argument("--endpoints-file", help="YAML list of endpoints, re-read when it changes")
@@ -107,8 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     compat = p.add_argument_group("reference compatibility (accepted, no effect)")
     compat.add_argument("--zap-encoder", help=argparse.SUPPRESS)
     compat.add_argument("--zap-log-level", help=argparse.SUPPRESS)
-    for name in ("--tracing", "--ha-enable-leader-election", "--metrics-endpoint-auth", "--enable-pprof",
-                 "--health-checking", "--model-server-metrics-https-insecure-skip-verify"):
+    for name in (
+        "--tracing",
+        "--ha-enable-leader-election",
+        "--metrics-endpoint-auth",
+        "--enable-pprof",
+        "--health-checking",
+        "--model-server-metrics-https-insecure-skip-verify",
+    ):
         _bool_flag(compat, name, False, argparse.SUPPRESS)
     for name in ("--model-server-metrics-scheme", "--model-server-metrics-path", "--model-server-metrics-port"):
         compat.add_argument(name, help=argparse.SUPPRESS)
@@ -131,16 +141,26 @@ class PickerServer:
         self.args = args
         self.datastore = Datastore()
         self.decisions = DecisionLog(1000) if args.enable_debug_decisions else None
-        self.runtimes = RuntimeHolder(self.datastore, self.decisions)
-        self.director = Director(self.datastore, self.runtimes)
+        self.data_layer = DataLayer(
+            self.datastore,
+            interval=args.refresh_metrics_interval,
+            staleness_threshold=args.metrics_staleness_threshold,
+            pool_gauges_interval=args.refresh_prometheus_metrics_interval,
+            pool_name=args.pool_name or "",
+        )
+        self.runtimes = RuntimeHolder(self.datastore, self.decisions, on_install=self._config_installed)
+        self.director = Director(
+            self.datastore,
+            self.runtimes,
+            tenant_header=args.tenant_header.lower() if args.tenant_header else None,
+        )
         self.config_watch: asyncio.Task[None] | None = None
         self.draining = False
         self.endpoint_file: EndpointFile | None = None
-        self.discovery = None
-        self.collector: MetricsCollector | None = None
+        self.discovery: KubernetesDiscovery | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
-        self.metrics_runner = None
+        self.metrics_runner: web.AppRunner | None = None
 
     async def _start_discovery(self) -> None:
         """Endpoints from the flags, a file, or the Kubernetes API (pool or label selector)."""
@@ -153,11 +173,15 @@ class PickerServer:
                 try:
                     selector = dict(part.split("=", 1) for part in args.endpoint_selector.split(","))
                 except ValueError:
-                    raise EndpointListError(f"--endpoint-selector: expected k=v,k2=v2, got {args.endpoint_selector!r}") from None
+                    raise EndpointListError(
+                        f"--endpoint-selector: expected k=v,k2=v2, got {args.endpoint_selector!r}"
+                    ) from None
             try:
                 ports = [int(p) for p in args.endpoint_target_ports.split(",")] if args.endpoint_target_ports else ()
             except ValueError:
-                raise EndpointListError(f"--endpoint-target-ports: expected ports, got {args.endpoint_target_ports!r}") from None
+                raise EndpointListError(
+                    f"--endpoint-target-ports: expected ports, got {args.endpoint_target_ports!r}"
+                ) from None
             self.discovery = KubernetesDiscovery(
                 self.datastore,
                 pool_name=args.pool_name,
@@ -198,28 +222,12 @@ class PickerServer:
             with open(args.objectives_file, encoding="utf-8") as f:
                 self.runtimes.set_objectives(parse_objectives(f.read()))
 
-    def _metrics_collector(self) -> MetricsCollector | None:
-        """The scraper as the config's data layer describes it (none if `sources: []`).
-        Data-layer settings are read at start; a reload changes scheduling, not scraping."""
-        args = self.args
-        sources = self.runtimes.current.data_sources
-        if sources is not None and not sources:
-            return None
-        settings: dict = {}
-        if sources:
-            source = sources[0].source
-            settings = {"path": source.path, "scheme": source.scheme,
-                        "insecure_skip_verify": source.insecure_skip_verify}
-            if sources[0].extractors:
-                settings["engines"] = sources[0].extractors[0].catalog
-        return MetricsCollector(
-            self.datastore,
-            interval=args.refresh_metrics_interval,
-            staleness_threshold=args.metrics_staleness_threshold,
-            pool_gauges_interval=args.refresh_prometheus_metrics_interval,
-            pool_name=args.pool_name or "",
-            **settings,
-        )
+    async def _config_installed(self, runtime: Runtime) -> None:
+        """The data layer follows the installed config; stale metrics only exclude endpoints
+        while something scrapes them."""
+        await self.data_layer.apply(scrape_settings(runtime.data_sources))
+        scraping = self.data_layer.collector is not None
+        self.director.staleness_threshold = self.args.metrics_staleness_threshold if scraping else None
 
     async def start(self) -> None:
         args = self.args
@@ -227,17 +235,10 @@ class PickerServer:
         if args.config_file:
             self.config_watch = asyncio.create_task(self.runtimes.watch(args.config_file), name="config-watch")
         await self._start_discovery()
-        for plugin in self.runtimes.current.plugins.values():
-            if isinstance(plugin, BackgroundWork):
-                plugin.start()
-        self.collector = self._metrics_collector()
-        if self.collector is not None:
-            self.director.staleness_threshold = args.metrics_staleness_threshold
-            await self.collector.start()
+        await self.runtimes.start()
         bind = args.bind_address
         settings = ExtProcSettings(
             max_body_bytes=args.max_body_bytes,
-            tenant_header=args.tenant_header.lower() if args.tenant_header else None,
             honour_subset_hint=not args.disable_endpoint_subset_filter,
         )
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
@@ -260,8 +261,11 @@ class PickerServer:
         metrics.INFO.labels(commit="", build_ref=importlib.metadata.version("picker")).set(1)
         log.info(
             "picker serving ext_proc on %s (%s), health on %s, metrics on %s; %d endpoints",
-            address, "TLS" if args.secure_serving else "plaintext", args.grpc_health_port,
-            args.metrics_port, len(self.datastore.endpoints()),
+            address,
+            "TLS" if args.secure_serving else "plaintext",
+            args.grpc_health_port,
+            args.metrics_port,
+            len(self.datastore.endpoints()),
         )
 
     async def drain(self) -> None:
@@ -280,8 +284,8 @@ class PickerServer:
             await self.endpoint_file.stop()
         if self.discovery is not None:
             await self.discovery.stop()
-        if self.collector is not None:
-            await self.collector.stop()
+        await self.runtimes.stop()
+        await self.data_layer.stop()
         for server in (self.grpc_server, self.health_server):
             if server is not None:
                 await server.stop(grace=self.args.shutdown_grace)

@@ -24,7 +24,12 @@ def _event_fields(event: Any) -> tuple[str, dict[str, Any]]:
         return event["type"], event
     tag = event[0]
     if tag == "BlockStored":
-        return tag, {"block_hashes": event[1], "parent_block_hash": event[2], "token_ids": event[3], "block_size": event[4]}
+        return tag, {
+            "block_hashes": event[1],
+            "parent_block_hash": event[2],
+            "token_ids": event[3],
+            "block_size": event[4],
+        }
     if tag == "BlockRemoved":
         return tag, {"block_hashes": event[1]}
     return tag, {}
@@ -138,8 +143,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], deadline_s: float = 1
 def start_sim(args: list[str], deadline_s: float = 20.0) -> tuple[subprocess.Popen[str], list[str]]:
     """Start `picker sim ARGS` and return (process, its pod lines) once it printed `ready`."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "picker.cli", "sim", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        [sys.executable, "-m", "picker.cli", "sim", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     end = time.monotonic() + deadline_s
@@ -148,7 +156,9 @@ def start_sim(args: list[str], deadline_s: float = 20.0) -> tuple[subprocess.Pop
         while time.monotonic() < end:
             line = proc.stdout.readline()
             if not line:
-                raise AssertionError(f"picker sim exited early: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}")
+                raise AssertionError(
+                    f"picker sim exited early: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}"
+                )
             line = line.strip()
             if line == "ready":
                 return proc, lines

@@ -61,14 +61,26 @@ def start_backends(addresses: list[str], log_dir: Path) -> ManagedProcess:
     return proc
 
 
-def start_picker(log_dir: Path, *args: str, name: str = "picker", grpc_port: int | None = None, tls: bool = True) -> Picker:
+def start_picker(
+    log_dir: Path, *args: str, name: str = "picker", grpc_port: int | None = None, tls: bool = True
+) -> Picker:
     grpc_port = grpc_port or free_port()
     health, metrics = free_port(), free_port()
     argv = [
-        sys.executable, "-m", "picker.cli", "serve",
-        "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port),
-        "--grpc-health-port", str(health), "--metrics-port", str(metrics),
-        f"--secure-serving={'true' if tls else 'false'}", *args,
+        sys.executable,
+        "-m",
+        "picker.cli",
+        "serve",
+        "--bind-address",
+        "127.0.0.1",
+        "--grpc-port",
+        str(grpc_port),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        f"--secure-serving={'true' if tls else 'false'}",
+        *args,
     ]
     proc = ManagedProcess(name, argv, log_dir).start()
     proc.wait_ready(lambda: serving(health) and port_open("127.0.0.1", grpc_port), timeout=30)

@@ -18,21 +18,39 @@ from picker.bench.systems import KINDS, FleetOptions, parse_systems
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc")
 # Flags that override one field of a workload spec: flag dest -> spec field.
 SPEC_FLAGS = {
-    "shared-prefix": {"groups": "groups", "prompts_per_group": "prompts_per_group",
-                      "system_prompt_len": "system_prompt_len", "question_len": "question_len",
-                      "output_len": "output_len", "group_skew": "group_skew"},
-    "multi-turn": {"sessions": "sessions", "turns": "turns", "system_prompt_len": "system_prompt_len",
-                   "question_len": "question_len", "output_len": "answer_len", "think_time": "think_time_s"},
-    "long-doc": {"documents": "documents", "document_len": "document_len", "question_len": "question_len",
-                 "output_len": "output_len"},
+    "shared-prefix": {
+        "groups": "groups",
+        "prompts_per_group": "prompts_per_group",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "group_skew": "group_skew",
+    },
+    "multi-turn": {
+        "sessions": "sessions",
+        "turns": "turns",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "answer_len",
+        "think_time": "think_time_s",
+    },
+    "long-doc": {
+        "documents": "documents",
+        "document_len": "document_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
 }
+WorkloadSpec = workloads.SharedPrefixSpec | workloads.MultiTurnSpec | workloads.LongDocSpec
 # Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
 # to hold every shared prefix on every pod, so where a request goes decides whether it hits.
-DEFAULT_SPECS = {
-    "shared-prefix": workloads.SharedPrefixSpec(groups=32, prompts_per_group=16, system_prompt_len=2048,
-                                               question_len=128, output_len=32),
-    "multi-turn": workloads.MultiTurnSpec(turns=6, system_prompt_len=256, question_len=128,
-                                          answer_len=128, think_time_s=1.0),
+DEFAULT_SPECS: dict[str, WorkloadSpec] = {
+    "shared-prefix": workloads.SharedPrefixSpec(
+        groups=32, prompts_per_group=16, system_prompt_len=2048, question_len=128, output_len=32
+    ),
+    "multi-turn": workloads.MultiTurnSpec(
+        turns=6, system_prompt_len=256, question_len=128, answer_len=128, think_time_s=1.0
+    ),
     "long-doc": workloads.LongDocSpec(documents=16, document_len=6000, question_len=64, output_len=32),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
@@ -47,43 +65,71 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the same open-loop workload through each system in front of a cold `picker sim` "
         "fleet and compare TTFT, latency, throughput, prefix hit ratio and load spread.",
     )
-    p.add_argument("--systems",
-                   help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
-                   "picker, picker:LABEL, external:URL")
-    p.add_argument("--bounds-only", action="store_true",
-                   help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
-                   "hit ratio, TTFT floor) and exit without starting anything")
+    p.add_argument(
+        "--systems",
+        help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
+        "picker, picker:LABEL, external:URL",
+    )
+    p.add_argument(
+        "--bounds-only",
+        action="store_true",
+        help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
+        "hit ratio, TTFT floor) and exit without starting anything",
+    )
     p.add_argument("--workload", required=True, help=f"{' | '.join(WORKLOADS)} | PATH to a Mooncake JSONL trace")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
-    p.add_argument("--duration", type=float,
-                   help="seconds of arrivals per system (default 60; a trace plays to its end)")
+    p.add_argument(
+        "--duration", type=float, help="seconds of arrivals per system (default 60; a trace plays to its end)"
+    )
     p.add_argument("--rate", type=float, help="mean requests/s, Poisson (default depends on the workload)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--speed", type=float, default=1.0, help="trace replay speed factor (default 1)")
-    p.add_argument("--picker-config", action="append", default=[], metavar="[LABEL=]FILE",
-                   help="EndpointPickerConfig for system picker:LABEL (or plain picker); repeatable")
+    p.add_argument(
+        "--picker-config",
+        action="append",
+        default=[],
+        metavar="[LABEL=]FILE",
+        help="EndpointPickerConfig for system picker:LABEL (or plain picker); repeatable",
+    )
     p.add_argument("--max-concurrency", type=int, default=256, help="client concurrency cap (default 256)")
-    p.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds after the last arrival before unfinished requests are cut (default 60)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds after the last arrival before unfinished requests are cut (default 60)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     sim = p.add_argument_group("simulated fleet (the same for every system)")
     sim.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
     sim.add_argument("--model", default="sim-model")
     sim.add_argument("--profile", default="llama3-8b-h100", help="sim timing profile")
     sim.add_argument("--time-scale", type=float, default=1.0, help="sim runs this many times faster")
-    sim.add_argument("--num-gpu-blocks", type=int,
-                     help=f"KV blocks per pod (default {GENERATED_NUM_GPU_BLOCKS} for generated workloads, "
-                     "the profile's own for traces)")
+    sim.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help=f"KV blocks per pod (default {GENERATED_NUM_GPU_BLOCKS} for generated workloads, "
+        "the profile's own for traces)",
+    )
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--max-num-seqs", type=int, default=16, help="running requests per pod (default 16)")
     sim.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step")
-    sim.add_argument("--sim-base-port", type=int, default=0,
-                     help="pod i on this port+i (default: free ports); for external gateways")
+    sim.add_argument(
+        "--sim-base-port", type=int, default=0, help="pod i on this port+i (default: free ports); for external gateways"
+    )
     spec = p.add_argument_group("workload shape (defaults sized for a 2-core machine)")
-    for flag, kind in (("--groups", int), ("--prompts-per-group", int), ("--system-prompt-len", int),
-                       ("--question-len", int), ("--output-len", int), ("--sessions", int), ("--turns", int),
-                       ("--think-time", float), ("--documents", int), ("--document-len", int),
-                       ("--group-skew", float)):
+    for flag, kind in (
+        ("--groups", int),
+        ("--prompts-per-group", int),
+        ("--system-prompt-len", int),
+        ("--question-len", int),
+        ("--output-len", int),
+        ("--sessions", int),
+        ("--turns", int),
+        ("--think-time", float),
+        ("--documents", int),
+        ("--document-len", int),
+        ("--group-skew", float),
+    ):
         spec.add_argument(flag, type=kind)
     return p
 
@@ -102,6 +148,15 @@ def parse_picker_configs(values: list[str]) -> dict[str, Path]:
     return configs
 
 
+def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) -> list[workloads.Session]:
+    """The sessions of a generated workload; the spec's type names the workload."""
+    if isinstance(spec, workloads.SharedPrefixSpec):
+        return workloads.shared_prefix(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.MultiTurnSpec):
+        return workloads.multi_turn(spec, rate, duration_s, seed)
+    return workloads.long_doc(spec, rate, duration_s, seed)
+
+
 def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Session], dict[str, object]]:
     """The workload's name, its sessions and its settings (for results.json), from the flags."""
     if args.duration is not None and args.duration <= 0:
@@ -109,17 +164,18 @@ def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Sessio
     if args.workload in WORKLOADS:
         duration = args.duration or DEFAULT_DURATION_S
         spec = DEFAULT_SPECS[args.workload]
-        overrides = {field: getattr(args, dest) for dest, field in SPEC_FLAGS[args.workload].items()
-                     if getattr(args, dest) is not None}
+        overrides = {
+            field: getattr(args, dest)
+            for dest, field in SPEC_FLAGS[args.workload].items()
+            if getattr(args, dest) is not None
+        }
         for field, value in overrides.items():
             if value < 0 or (value == 0 and field not in ("think_time_s", "group_skew")):
                 raise ValueError(f"--{field.replace('_', '-')} must be positive")
         spec = dataclasses.replace(spec, **overrides)
         rate = args.rate or DEFAULT_RATES[args.workload]
-        generate = {"shared-prefix": workloads.shared_prefix, "multi-turn": workloads.multi_turn,
-                    "long-doc": workloads.long_doc}[args.workload]
         settings = {"rate": rate, "duration_s": duration, "seed": args.seed, **dataclasses.asdict(spec)}
-        return args.workload, generate(spec, rate, duration, args.seed), settings
+        return args.workload, generate_sessions(spec, rate, duration, args.seed), settings
     path = Path(args.workload)
     if not path.is_file():
         raise ValueError(f"--workload {args.workload!r}: not one of {', '.join(WORKLOADS)} and not a trace file")
@@ -148,14 +204,26 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
     fleet = FleetOptions(
-        pods=args.pods, model=args.model, profile=args.profile, time_scale=args.time_scale,
+        pods=args.pods,
+        model=args.model,
+        profile=args.profile,
+        time_scale=args.time_scale,
         num_gpu_blocks=args.num_gpu_blocks or (GENERATED_NUM_GPU_BLOCKS if args.workload in WORKLOADS else None),
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, base_port=args.sim_base_port,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        base_port=args.sim_base_port,
     )
     return BenchPlan(
-        tuple(systems), workload, tuple(sessions), fleet, args.out, args.max_concurrency, args.drain_timeout,
-        plots=not args.no_plots, settings=tuple(settings.items()),
+        tuple(systems),
+        workload,
+        tuple(sessions),
+        fleet,
+        args.out,
+        args.max_concurrency,
+        args.drain_timeout,
+        plots=not args.no_plots,
+        settings=tuple(settings.items()),
     )
 
 
@@ -192,8 +260,9 @@ def main(argv: list[str]) -> int:
     if args.bounds_only:
         bounds = bounds_of(plan.sessions, plan.fleet)
         print(f"{plan.workload}: {sum(len(s.turns) for s in plan.sessions)} requests on {plan.fleet.pods} pods")
-        print(f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
-              f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}")
+        print(
+            f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
+            f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+        )
         return 0
     return execute(plan)
-

@@ -17,18 +17,30 @@ from typing import Any
 from picker.bench import cli
 
 DEMO_ARGS = [
-    "--systems", "round-robin,picker",
-    "--workload", "shared-prefix",
-    "--pods", "4",
-    "--profile", "llama3-8b-h100",
-    "--num-gpu-blocks", "2048",
-    "--max-num-seqs", "16",
-    "--groups", "32",
-    "--system-prompt-len", "2048",
-    "--question-len", "128",
-    "--output-len", "32",
-    "--rate", "28",
-    "--drain-timeout", "30",
+    "--systems",
+    "round-robin,picker",
+    "--workload",
+    "shared-prefix",
+    "--pods",
+    "4",
+    "--profile",
+    "llama3-8b-h100",
+    "--num-gpu-blocks",
+    "2048",
+    "--max-num-seqs",
+    "16",
+    "--groups",
+    "32",
+    "--system-prompt-len",
+    "2048",
+    "--question-len",
+    "128",
+    "--output-len",
+    "32",
+    "--rate",
+    "28",
+    "--drain-timeout",
+    "30",
 ]
 
 
@@ -41,8 +53,10 @@ def summary(results: dict[str, Any]) -> str:
     """One paragraph: the picker's hit ratio and TTFT beside round robin's."""
     rr, picker = results["systems"]["round-robin"], results["systems"]["picker"]
     lines = [
-        (f"prefix hit ratio: picker {picker['hit_ratio']:.1%}, round robin {rr['hit_ratio']:.1%} "
-        f"(infinite-cache bound {results['bound_hit_ratio']:.1%})"),
+        (
+            f"prefix hit ratio: picker {picker['hit_ratio']:.1%}, round robin {rr['hit_ratio']:.1%} "
+            f"(infinite-cache bound {results['bound_hit_ratio']:.1%})"
+        ),
     ]
     for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99")):
         if picker[key] and rr[key]:

@@ -10,8 +10,9 @@ import copy
 import shutil
 import sys
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -40,7 +41,7 @@ def picker_config(
     mode: str, listen: tuple[str, int], picker: tuple[str, int], admin: tuple[str, int], tls: bool = True
 ) -> dict[str, Any]:
     """A shipped picker config (`duplex` or `buffered`) re-addressed for this run."""
-    config = yaml.safe_load((MANIFESTS / PICKER_CONFIGS[mode]).read_text())
+    config: dict[str, Any] = yaml.safe_load((MANIFESTS / PICKER_CONFIGS[mode]).read_text())
     config["admin"]["address"] = _socket(*admin)
     config["static_resources"]["listeners"][0]["address"] = _socket(*listen)
     for cluster in config["static_resources"]["clusters"]:
@@ -86,9 +87,16 @@ class EnvoyProcess(ManagedProcess):
         super().__init__(
             name,
             [
-                envoy_binary(), "-c", str(self.config_path), "--concurrency", str(concurrency),
-                "--disable-hot-restart", "--log-level", "warn",
-                "--base-id", str(self.admin[1]),
+                envoy_binary(),
+                "-c",
+                str(self.config_path),
+                "--concurrency",
+                str(concurrency),
+                "--disable-hot-restart",
+                "--log-level",
+                "warn",
+                "--base-id",
+                str(self.admin[1]),
             ],
             log_dir,
         )
@@ -97,7 +105,7 @@ class EnvoyProcess(ManagedProcess):
     def url(self) -> str:
         return f"http://{self.listen[0]}:{self.listen[1]}"
 
-    def start(self) -> "EnvoyProcess":
+    def start(self) -> EnvoyProcess:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         super().start()
@@ -106,7 +114,8 @@ class EnvoyProcess(ManagedProcess):
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.admin[0]}:{self.admin[1]}/ready", timeout=0.5) as r:
-                return r.read().strip() == b"LIVE"
+                body: bytes = r.read()
+                return body.strip() == b"LIVE"
         except OSError:
             return False
 

@@ -92,9 +92,16 @@ async def _send(
     def result(error: str | None) -> RequestResult:
         details = (usage or {}).get("prompt_tokens_details") or {}
         return RequestResult(
-            session, turn, due - t0, ttft, time.monotonic() - due if error is None else None,
-            int((usage or {}).get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0),
-            int((usage or {}).get("completion_tokens") or 0), pod, error,
+            session,
+            turn,
+            due - t0,
+            ttft,
+            time.monotonic() - due if error is None else None,
+            int((usage or {}).get("prompt_tokens") or 0),
+            int(details.get("cached_tokens") or 0),
+            int((usage or {}).get("completion_tokens") or 0),
+            pod,
+            error,
         )
 
     try:

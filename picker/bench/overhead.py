@@ -4,6 +4,9 @@
 Envoy (alone; with the picker in BUFFERED mode; with the picker in FULL_DUPLEX_STREAMED mode with
 response phases, as the reference gateway runs), then for 2 KB and 64 KB bodies measures latency
 at a fixed open-loop rate (Python client) and the saturation rate (wrk, 64 connections).
+
+`--baseline-tree DIR` also runs the picker of another source tree (e.g. a `git worktree` of an
+earlier commit) through the same two picker variants, in the same run, to compare a change.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -83,8 +88,9 @@ async def fixed_rate(url: str, body: bytes, rate: float, seconds: float) -> Rate
     return RateResult(1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99), errors)
 
 
-def saturation(url: str, body_file: Path, seconds: int) -> float:
-    """Requests per second wrk reaches with 64 connections (non-2xx counted as failures)."""
+def saturation(url: str, body_file: Path, seconds: int) -> tuple[float, int]:
+    """Requests per second wrk reaches with 64 connections, and how many it sent (non-2xx
+    counted as failures)."""
     script = body_file.with_suffix(".lua")
     script.write_text(
         f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
@@ -92,12 +98,36 @@ def saturation(url: str, body_file: Path, seconds: int) -> float:
     )
     out = subprocess.run(
         ["wrk", "-t1", "-c64", f"-d{seconds}s", "-s", str(script), url],
-        capture_output=True, text=True, timeout=seconds + 30,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
     ).stdout
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
-    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    return float(match.group(1)) if match else float("nan")
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    sent = re.search(r"(\d+) requests in", out)
+    return (float(rate.group(1)) if rate else float("nan")), (int(sent.group(1)) if sent else 0)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_picker(
+    label: str, tree: Path | None, backend_port: int, tls: str, work: Path, processes: list[ManagedProcess]
+) -> tuple[ManagedProcess, int]:
+    """Start a picker (from `tree`'s sources when given) in front of the backend; it and its gRPC port."""
+    grpc_port, health, metrics = free_port(), free_port(), free_port()
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}"]
+    argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
+    argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}"]
+    picker = ManagedProcess(label, argv, work, env=env).start()
+    processes.append(picker)
+    picker.wait_ready(lambda: port_open("127.0.0.1", metrics) and port_open("127.0.0.1", grpc_port))
+    return picker, grpc_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0, help="fixed open-loop rate, req/s")
     parser.add_argument("--saturation-seconds", type=int, default=8)
     parser.add_argument("--tls", default="true", choices=["true", "false"], help="TLS between Envoy and picker")
+    parser.add_argument("--baseline-tree", type=Path, help="also run the picker of this source tree, side by side")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
@@ -115,24 +146,33 @@ def main(argv: list[str] | None = None) -> int:
     processes: list[ManagedProcess] = []
     try:
         backend_port = free_port()
-        backend = ManagedProcess("backend", [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", str(backend_port)], work).start()
+        backend = ManagedProcess(
+            "backend", [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", str(backend_port)], work
+        ).start()
         processes.append(backend)
         backend.wait_ready(lambda: port_open("127.0.0.1", backend_port))
-        grpc_port, health, metrics = free_port(), free_port(), free_port()
-        picker = ManagedProcess("picker", [
-            sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}",
-            "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health),
-            "--metrics-port", str(metrics), f"--secure-serving={args.tls}",
-        ], work).start()
-        processes.append(picker)
-        picker.wait_ready(lambda: port_open("127.0.0.1", metrics) and port_open("127.0.0.1", grpc_port))
-        variants = {
-            "envoy alone": baseline_config("round-robin", ("127.0.0.1", free_port()), [f"127.0.0.1:{backend_port}"], ("127.0.0.1", free_port())),
-            "picker BUFFERED": picker_config("buffered", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls),
-            "picker FULL_DUPLEX + response": picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls),
+        # name → (Envoy config, the picker it calls, if any)
+        variants: dict[str, tuple[dict[str, Any], ManagedProcess | None]] = {
+            "envoy alone": (
+                baseline_config(
+                    "round-robin", ("127.0.0.1", free_port()), [f"127.0.0.1:{backend_port}"], ("127.0.0.1", free_port())
+                ),
+                None,
+            ),
         }
+        trees = {"picker": None} if args.baseline_tree is None else {"picker": None, "baseline": args.baseline_tree}
+        pickers = {
+            label: start_picker(label, tree, backend_port, args.tls, work, processes) for label, tree in trees.items()
+        }
+        # Interleaved by mode, so a change and its baseline meet the machine in the same state.
+        for mode, name in (("buffered", "BUFFERED"), ("duplex", "FULL_DUPLEX + response")):
+            for label, (picker, grpc_port) in pickers.items():
+                config = picker_config(
+                    mode, ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls
+                )
+                variants[f"{label} {name}"] = (config, picker)
         results: dict[str, dict[str, dict[str, float]]] = {}
-        for name, config in variants.items():
+        for name, (config, process) in variants.items():
             envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
             processes.append(envoy)
             envoy.wait_ready(envoy.ready)
@@ -142,21 +182,33 @@ def main(argv: list[str] | None = None) -> int:
                 body_file = work / f"body-{label}.json"
                 body_file.write_bytes(body)
                 rate = asyncio.run(fixed_rate(url, body, args.rate, args.seconds))
-                sat = saturation(url, body_file, args.saturation_seconds)
+                cpu_before = cpu_seconds(process.pid) if process is not None else 0.0
+                sat, sent = saturation(url, body_file, args.saturation_seconds)
+                # The picker's own CPU per request at saturation: steadier than rates on a shared box.
+                cpu_us = (cpu_seconds(process.pid) - cpu_before) / max(sent, 1) * 1e6 if process is not None else 0.0
                 results.setdefault(name, {})[label] = {
-                    "p50_ms": rate.p50_ms, "p99_ms": rate.p99_ms, "errors": rate.errors, "max_rps": sat,
+                    "p50_ms": rate.p50_ms,
+                    "p99_ms": rate.p99_ms,
+                    "errors": rate.errors,
+                    "max_rps": sat,
+                    "picker_cpu_us": cpu_us,
                 }
-                print(f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
-                      f"errors {rate.errors}  max {sat:7.0f} req/s", flush=True)
+                print(
+                    f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
+                    f"errors {rate.errors}  max {sat:7.0f} req/s  picker CPU {cpu_us:6.0f} µs/req",
+                    flush=True,
+                )
             envoy.stop()
         base = results["envoy alone"]
-        print(f"\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | picker CPU µs/req |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, by_size in results.items():
             for label, r in by_size.items():
-                print(f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                      f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
-                      f"{r['max_rps']:.0f} |")
+                print(
+                    f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                    f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
+                    f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} |"
+                )
         (work / "results.json").write_text(json.dumps(results, indent=2))
         print(f"\nresults: {work / 'results.json'}")
     finally:

@@ -7,15 +7,16 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # an AF_INET address is a (host, port) tuple
+        return port
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
@@ -45,10 +46,9 @@ class ManagedProcess:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> "ManagedProcess":
+    def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -57,8 +57,6 @@ class ManagedProcess:
                 env=self.env,
                 start_new_session=True,
             )
-        finally:
-            log.close()
         return self
 
     @property
@@ -103,7 +101,7 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 continue
 
-    def __enter__(self) -> "ManagedProcess":
+    def __enter__(self) -> ManagedProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

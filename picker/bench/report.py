@@ -57,18 +57,40 @@ def floor_text(floor: dict[str, float | None]) -> str:
 def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison table (shared by the terminal and markdown forms)."""
     header = [
-        "system", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "E2E p50 ms", "out tok/s",
-        "hit ratio", "bound", "requests", "errors", "hotspot", "decision p50 ms",
+        "system",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "TTFT p99 ms",
+        "E2E p50 ms",
+        "out tok/s",
+        "hit ratio",
+        "bound",
+        "requests",
+        "errors",
+        "hotspot",
+        "decision p50 ms",
     ]
     rows = []
     for name, r in report.systems.items():
         decision = r.decision_time
-        rows.append([
-            name, _ms(r.ttft_p50_s), _ms(r.ttft_p90_s), _ms(r.ttft_p99_s), _ms(r.e2e_p50_s),
-            f"{r.output_tokens_per_s:.0f}", _pct(r.hit_ratio), _pct(report.bound_hit_ratio), str(r.requests),
-            str(r.errors), "-" if r.hotspot is None else f"{r.hotspot:.2f}",
-            "-" if decision is None else (f"<={decision.p50_s * 1000:.2f}" if decision.p50_s else f"{decision.mean_s * 1000:.2f}"),
-        ])
+        rows.append(
+            [
+                name,
+                _ms(r.ttft_p50_s),
+                _ms(r.ttft_p90_s),
+                _ms(r.ttft_p99_s),
+                _ms(r.e2e_p50_s),
+                f"{r.output_tokens_per_s:.0f}",
+                _pct(r.hit_ratio),
+                _pct(report.bound_hit_ratio),
+                str(r.requests),
+                str(r.errors),
+                "-" if r.hotspot is None else f"{r.hotspot:.2f}",
+                "-"
+                if decision is None
+                else (f"<={decision.p50_s * 1000:.2f}" if decision.p50_s else f"{decision.mean_s * 1000:.2f}"),
+            ]
+        )
     for name, why in report.failures.items():
         rows.append([name, "failed: " + why.splitlines()[0][:60]] + [""] * (len(header) - 2))
     return header, rows
@@ -89,26 +111,42 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
     """`report.md`: settings, the table, per-pod spread, plots."""
     header, rows = table_rows(report)
     out = [
-        f"# picker bench: {report.workload}", "",
-        (f"Infinite-cache bound on the prompts sent: **{_pct(report.bound_hit_ratio)}** "
-         "(no router can hit more); fleet-cache bound: "
-         f"**{_pct(report.fleet_bound_hit_ratio)}** (one cache of the whole fleet's KV blocks with "
-         "optimal offline eviction: no router can hit more on this fleet)."), "",
-        (f"TTFT floor: **{floor_text(report.ttft_floor_s)}**, every prompt with its infinite-cache hits prefilled "
-         "alone on an idle simulated engine (no router's TTFT percentiles can be lower)."), "",
-        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows), "",
-        ("TTFT is measured from when each request was due (open loop) to its first streamed content chunk. "
-         "Hit ratio = sum(cached_tokens) / sum(prompt_tokens) from the servers' usage. Hotspot = pods x the "
-         "busiest pod's share of requests (1.00 = perfectly even). Decision time is the picker's "
-         "`inference_extension_scheduler_e2e_duration_seconds` median bucket."), "",
-        "## Requests per pod", "",
+        f"# picker bench: {report.workload}",
+        "",
+        (
+            f"Infinite-cache bound on the prompts sent: **{_pct(report.bound_hit_ratio)}** "
+            "(no router can hit more); fleet-cache bound: "
+            f"**{_pct(report.fleet_bound_hit_ratio)}** (one cache of the whole fleet's KV blocks with "
+            "optimal offline eviction: no router can hit more on this fleet)."
+        ),
+        "",
+        (
+            f"TTFT floor: **{floor_text(report.ttft_floor_s)}**, every prompt with its infinite-cache hits prefilled "
+            "alone on an idle simulated engine (no router's TTFT percentiles can be lower)."
+        ),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        (
+            "TTFT is measured from when each request was due (open loop) to its first streamed content chunk. "
+            "Hit ratio = sum(cached_tokens) / sum(prompt_tokens) from the servers' usage. Hotspot = pods x the "
+            "busiest pod's share of requests (1.00 = perfectly even). Decision time is the picker's "
+            "`inference_extension_scheduler_e2e_duration_seconds` median bucket."
+        ),
+        "",
+        "## Requests per pod",
+        "",
     ]
     pods = sorted({pod for r in report.systems.values() for pod in r.pods})
     if pods:
         out += ["| system | " + " | ".join(pods) + " |", "|" + "---|" * (len(pods) + 1)]
         for name, r in report.systems.items():
-            cells = [f"{r.pods.get(p, {}).get('requests', 0)} ({r.pods.get(p, {}).get('prompt_tokens', 0) // 1000}k tok)" for p in pods]
+            cells = [
+                f"{r.pods.get(p, {}).get('requests', 0)} ({r.pods.get(p, {}).get('prompt_tokens', 0) // 1000}k tok)"
+                for p in pods
+            ]
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
     errors = {name: r.error_kinds for name, r in report.systems.items() if r.error_kinds}

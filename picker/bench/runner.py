@@ -83,17 +83,24 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
         fleet = replace(fleet, max_model_len=bounds.longest_tokens)
     requests = sum(len(s.turns) for s in plan.sessions)
     report = BenchReport(
-        plan.workload, bounds.hit_ratio,
+        plan.workload,
+        bounds.hit_ratio,
         {
-            "fleet": asdict(fleet), "sessions": len(plan.sessions), "requests": requests,
-            "max_concurrency": plan.max_concurrency, "python": sys.version.split()[0], **dict(plan.settings),
+            "fleet": asdict(fleet),
+            "sessions": len(plan.sessions),
+            "requests": requests,
+            "max_concurrency": plan.max_concurrency,
+            "python": sys.version.split()[0],
+            **dict(plan.settings),
         },
         fleet_bound_hit_ratio=bounds.fleet_hit_ratio,
         ttft_floor_s=bounds.ttft_floor_s,
     )
-    log(f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
+    log(
+        f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
         f"infinite-cache bound {bounds.hit_ratio * 100:.1f}%, fleet-cache bound {bounds.fleet_hit_ratio * 100:.1f}%, "
-        f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}")
+        f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+    )
     try:
         for index, spec in enumerate(plan.systems):
             tag = f"{index}-{spec.kind}"

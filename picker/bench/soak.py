@@ -102,13 +102,16 @@ class SoakReport:
     def summary(self) -> str:
         p99s = [w.p99_decision_ms for w in self.windows if w.p99_decision_ms is not None]
         lines = [
-            f"soak: {self.seconds:.0f} s at {self.rate:g} req/s over {self.pods} sim pods (Envoy duplex, TLS to the picker)",
+            f"soak: {self.seconds:.0f} s at {self.rate:g} req/s over {self.pods} sim pods "
+            "(Envoy duplex, TLS to the picker)",
             f"  sent {self.sent}, answered as expected {self.answered_as_expected}, lost {self.lost}",
             "  by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items())),
             f"  p99 decision time per {len(self.windows)} windows (ms, bucket bound): "
             + " ".join(f"{p:g}" for p in p99s),
-            (f"  picker RSS: {self.rss_baseline_mib:.1f} MiB after warm-up -> {self.rss_final_mib:.1f} MiB "
-             f"at the end ({self.rss_growth * 100:+.1f}%)"),
+            (
+                f"  picker RSS: {self.rss_baseline_mib:.1f} MiB after warm-up -> {self.rss_final_mib:.1f} MiB "
+                f"at the end ({self.rss_growth * 100:+.1f}%)"
+            ),
             f"  prefix index: max {self.index_max} entries, capacity {self.index_capacity}",
             f"  after the run: {self.streams_active_after:g} ext_proc streams open, {self.in_flight_after:g} in flight",
         ]
@@ -120,9 +123,7 @@ class SoakReport:
 
 # -- the mixed workload ----------------------------------------------------------------------
 
-_SYSTEM_PROMPTS = [
-    " ".join(f"system{s} rule{i} keep answers short and precise" for i in range(40)) for s in range(8)
-]
+_SYSTEM_PROMPTS = [" ".join(f"system{s} rule{i} keep answers short and precise" for i in range(40)) for s in range(8)]
 
 
 def _request(n: int, rng: random.Random) -> tuple[str, str, str, bytes | None, int]:
@@ -135,14 +136,20 @@ def _request(n: int, rng: random.Random) -> tuple[str, str, str, bytes | None, i
     if roll < 0.60:
         turns = [{"role": "system", "content": _SYSTEM_PROMPTS[n % 3]}]
         for t in range(rng.randint(1, 4)):
-            turns += [{"role": "user", "content": f"turn {t} of chat {n % 50}"},
-                      {"role": "assistant", "content": f"answer {t}"}]
+            turns += [
+                {"role": "user", "content": f"turn {t} of chat {n % 50}"},
+                {"role": "assistant", "content": f"answer {t}"},
+            ]
         turns.append({"role": "user", "content": f"follow-up {n}"})
         body = {"model": MODEL, "messages": turns, "max_tokens": 8}
         return "chat", "POST", "/v1/chat/completions", json.dumps(body).encode(), 200
     if roll < 0.75:
-        body = {"model": MODEL, "prompt": f"stream {n} " + "word " * rng.randint(5, 200), "max_tokens": 8,
-                "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"stream {n} " + "word " * rng.randint(5, 200),
+            "max_tokens": 8,
+            "stream": True,
+        }
         return "streaming", "POST", "/v1/completions", json.dumps(body).encode(), 200
     if roll < 0.90:
         words = " ".join(f"u{rng.getrandbits(32):x}" for _ in range(rng.randint(10, 400)))
@@ -173,6 +180,7 @@ async def _send(session: aiohttp.ClientSession, base: str, item: tuple[str, str,
 
 # -- observing the picker --------------------------------------------------------------------
 
+
 def scrape(metrics_port: int) -> dict[str, float]:
     """Every sample on the picker's /metrics page, keyed by its full line name (labels included)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
@@ -187,7 +195,7 @@ def scrape(metrics_port: int) -> dict[str, float]:
 def histogram_buckets(samples: dict[str, float], name: str) -> list[tuple[float, float]]:
     """(upper bound, cumulative count) of an unlabelled histogram, ascending."""
     prefix = f'{name}_bucket{{le="'
-    buckets = [(float(k[len(prefix):-2]), v) for k, v in samples.items() if k.startswith(prefix)]
+    buckets = [(float(k[len(prefix) : -2]), v) for k, v in samples.items() if k.startswith(prefix)]
     return sorted(buckets)
 
 
@@ -218,19 +226,36 @@ def rss_mib(pid: int) -> float:
 
 # -- the run ---------------------------------------------------------------------------------
 
+
 def start_sim_pods(pods: int, log_dir: Path, *flags: str, name: str = "soak-sim") -> tuple[ManagedProcess, list[str]]:
     """`picker sim` (tiny profile, free ports, extra `flags`) and its pods' `ip:port` addresses."""
     sim = ManagedProcess(
         name,
-        [sys.executable, "-m", "picker.cli", "sim", "--pods", str(pods), "--base-port", "0", "--profile", "tiny",
-         "--model", MODEL, *flags],
+        [
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "sim",
+            "--pods",
+            str(pods),
+            "--base-port",
+            "0",
+            "--profile",
+            "tiny",
+            "--model",
+            MODEL,
+            *flags,
+        ],
         log_dir,
     )
     sim.log_path.unlink(missing_ok=True)  # its pod lines are read back from this log
     sim.start()
     sim.wait_ready(lambda: "ready" in sim.log_path.read_text(errors="replace").split(), timeout=30)
-    addresses = [line.split()[2].removeprefix("http://") for line in sim.log_path.read_text().splitlines()
-                 if line.startswith("pod ")]
+    addresses = [
+        line.split()[2].removeprefix("http://")
+        for line in sim.log_path.read_text().splitlines()
+        if line.startswith("pod ")
+    ]
     return sim, addresses
 
 
@@ -238,9 +263,24 @@ def _start_picker(addresses: list[str], capacity: int, log_dir: Path) -> tuple[M
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     picker = ManagedProcess(
         "soak-picker",
-        [sys.executable, "-m", "picker.cli", "serve", "--bind-address", "127.0.0.1",
-         "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port),
-         "--endpoints", ",".join(addresses), "--config-text", CONFIG.format(capacity=capacity)],
+        [
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "serve",
+            "--bind-address",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--grpc-health-port",
+            str(health_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--endpoints",
+            ",".join(addresses),
+            "--config-text",
+            CONFIG.format(capacity=capacity),
+        ],
         log_dir,
     ).start()
     picker.wait_ready(lambda: port_open("127.0.0.1", grpc_port) and port_open("127.0.0.1", metrics_port))
@@ -284,11 +324,15 @@ async def _drive(options: SoakOptions, base: str, metrics_port: int, picker_pid:
                 buckets = histogram_buckets(samples, SCHEDULER_HISTOGRAM)
                 p99 = p99_between(last_buckets, buckets)
                 last_buckets = buckets
-                report.windows.append(Window(
-                    end_s=round(loop.time() - start, 1), requests=window_sent,
-                    p99_decision_ms=None if p99 is None else p99 * 1000, rss_mib=round(rss_mib(picker_pid), 1),
-                    index_size=int(sum_of(samples, INDEX_SIZE)),
-                ))
+                report.windows.append(
+                    Window(
+                        end_s=round(loop.time() - start, 1),
+                        requests=window_sent,
+                        p99_decision_ms=None if p99 is None else p99 * 1000,
+                        rss_mib=round(rss_mib(picker_pid), 1),
+                        index_size=int(sum_of(samples, INDEX_SIZE)),
+                    )
+                )
                 window_sent = 0
                 next_window += options.window_s
         report.sent = n
@@ -331,8 +375,9 @@ def run_soak(options: SoakOptions) -> SoakReport:
         picker, grpc_port, metrics_port = _start_picker(addresses, options.lru_capacity, log_dir)
         started.append(picker)
         listen = ("127.0.0.1", free_port())
-        envoy = EnvoyProcess("soak-envoy", picker_config("duplex", listen, ("127.0.0.1", grpc_port),
-                                                         ("127.0.0.1", free_port())), log_dir).start()
+        envoy = EnvoyProcess(
+            "soak-envoy", picker_config("duplex", listen, ("127.0.0.1", grpc_port), ("127.0.0.1", free_port())), log_dir
+        ).start()
         started.append(envoy)
         envoy.wait_ready(envoy.ready)
         asyncio.run(_drive(options, envoy.url, metrics_port, picker.pid, report))
@@ -370,8 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes <= 0 or args.rate <= 0 or args.pods < 1 or args.window <= 0:
         p.error("--minutes, --rate and --window must be positive and --pods at least 1")
     options = SoakOptions(
-        seconds=args.minutes * 60, rate=args.rate, pods=args.pods, window_s=args.window,
-        warmup_s=args.window if args.warmup is None else args.warmup, log_dir=args.log_dir,
+        seconds=args.minutes * 60,
+        rate=args.rate,
+        pods=args.pods,
+        window_s=args.window,
+        warmup_s=args.window if args.warmup is None else args.warmup,
+        log_dir=args.log_dir,
     )
     report = run_soak(options)
     print(report.summary())

@@ -62,7 +62,9 @@ class SystemResult:
         return out
 
 
-def summarize(results: Sequence[RequestResult], num_pods: int, decision_time: DecisionTime | None = None) -> SystemResult:
+def summarize(
+    results: Sequence[RequestResult], num_pods: int, decision_time: DecisionTime | None = None
+) -> SystemResult:
     """Aggregate one run's request results."""
     ok = [r for r in results if r.error is None]
     failed = [r for r in results if r.error is not None]
@@ -84,13 +86,25 @@ def summarize(results: Sequence[RequestResult], num_pods: int, decision_time: De
     hotspot = num_pods * max(p["requests"] for p in pods.values()) / attributed if attributed else None
     kinds = Counter(_error_kind(r.error) for r in failed if r.error is not None)
     return SystemResult(
-        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90), ttft_p99_s=percentile(ttfts, 99),
-        e2e_p50_s=percentile(e2es, 50), e2e_p90_s=percentile(e2es, 90), e2e_p99_s=percentile(e2es, 99),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        e2e_p50_s=percentile(e2es, 50),
+        e2e_p90_s=percentile(e2es, 90),
+        e2e_p99_s=percentile(e2es, 99),
         output_tokens_per_s=output / wall if wall > 0 else 0.0,
         hit_ratio=cached / prompt if prompt else 0.0,
-        requests=len(ok), errors=len(failed), prompt_tokens=prompt, cached_tokens=cached, output_tokens=output,
-        wall_s=wall, pods=dict(sorted(pods.items())), hotspot=hotspot, decision_time=decision_time,
-        error_kinds=dict(kinds), ttfts_s=tuple(sorted(ttfts)),
+        requests=len(ok),
+        errors=len(failed),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        output_tokens=output,
+        wall_s=wall,
+        pods=dict(sorted(pods.items())),
+        hotspot=hotspot,
+        decision_time=decision_time,
+        error_kinds=dict(kinds),
+        ttfts_s=tuple(sorted(ttfts)),
     )
 
 

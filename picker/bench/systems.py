@@ -114,11 +114,32 @@ class FleetOptions:
     def argv(self) -> list[str]:
         """The `picker sim` command line."""
         argv = [
-            sys.executable, "-m", "picker.cli", "sim", "--pods", str(self.pods), "--host", HOST,
-            "--base-port", str(self.base_port), "--model", self.model, "--profile", self.profile,
-            "--time-scale", str(self.time_scale), "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
-            "--max-model-len", str(self.max_model_len), "--tokenizer", "builtin",
-            "--kv-events-base-port", "0",  # every system gets the same fleet; only the precise scorer listens
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "sim",
+            "--pods",
+            str(self.pods),
+            "--host",
+            HOST,
+            "--base-port",
+            str(self.base_port),
+            "--model",
+            self.model,
+            "--profile",
+            self.profile,
+            "--time-scale",
+            str(self.time_scale),
+            "--block-size",
+            str(self.block_size),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tokenizer",
+            "builtin",
+            "--kv-events-base-port",
+            "0",  # every system gets the same fleet; only the precise scorer listens
         ]
         if self.num_gpu_blocks:
             argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
@@ -177,7 +198,8 @@ def _lines(path: Path) -> list[str]:
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except OSError:
         return False
 
@@ -214,10 +236,21 @@ def start_system(spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher,
     if spec.kind == "picker":
         grpc, health, metrics = free_port(), free_port(), free_port()
         argv = [
-            sys.executable, "-m", "picker.cli", "serve",
-            "--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml")),
-            "--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics),
-            "--bind-address", HOST, "--secure-serving=false",
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "serve",
+            "--endpoints-file",
+            str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml")),
+            "--grpc-port",
+            str(grpc),
+            "--grpc-health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            "--bind-address",
+            HOST,
+            "--secure-serving=false",
         ]
         if spec.config_file:
             argv += ["--config-file", str(spec.config_file)]
@@ -237,8 +270,18 @@ def start_system(spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher,
         else:
             argv = [str(Path(sys.executable).parent / "vllm-router")]
         argv += [
-            "--host", HOST, "--port", str(port), "--worker-urls", *urls, "--policy", policy,
-            "--prometheus-host", HOST, "--prometheus-port", str(prometheus),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(prometheus),
         ]
         process = launcher.start(ManagedProcess(f"{router}-{tag}", argv, log_dir))
         url = f"http://{HOST}:{port}"

@@ -6,7 +6,7 @@ workloads are sessions of one turn. The same spec and seed always give the same 
 and arrival times, so every system under test sees exactly the same load.
 
 Texts are made of words from `VOCAB`, each exactly one token of the simulator's built-in word
-tokenizer (`picker.sim.tokenizer`), so a workload's token counts and block boundaries are exact.
+tokenizer (`picker.prefix.builtin_tokenizer`), so a workload's token counts and block boundaries are exact.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from picker.sim.tokenizer import encode, render_chat
+from picker.prefix.builtin_tokenizer import encode, render_chat
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces hash prompts in blocks of 512 tokens
 
@@ -146,7 +146,9 @@ def shared_prefix(spec: SharedPrefixSpec, rate: float, duration_s: float, seed: 
     else:
         groups = _shuffled_rounds(rng, spec.groups, spec.prompts_per_group)
     return [
-        Session(t, (Prompt(spec.output_len, (("system", systems[next(groups)]), ("user", words(rng, spec.question_len)))),))
+        Session(
+            t, (Prompt(spec.output_len, (("system", systems[next(groups)]), ("user", words(rng, spec.question_len)))),)
+        )
         for t in poisson_arrivals(rng, rate, duration_s)
     ]
 
@@ -215,7 +217,9 @@ def read_trace(path: Path) -> list[TraceRecord]:
         try:
             row = json.loads(line)
             record = TraceRecord(
-                float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
+                float(row["timestamp"]),
+                int(row["input_length"]),
+                int(row["output_length"]),
                 tuple(int(h) for h in row["hash_ids"]),
             )
         except (ValueError, KeyError, TypeError) as e:
@@ -242,7 +246,12 @@ def trace_replay(records: Sequence[TraceRecord], speed: float, duration_s: float
         start = (r.timestamp_ms - first) / 1000 / speed
         if start >= duration_s:
             break
-        sessions.append(Session(start, (Prompt(max(1, r.output_length), hash_ids=r.hash_ids, input_length=r.input_length, trace_seed=seed),)))
+        sessions.append(
+            Session(
+                start,
+                (Prompt(max(1, r.output_length), hash_ids=r.hash_ids, input_length=r.input_length, trace_seed=seed),),
+            )
+        )
     return sessions
 
 

@@ -1,0 +1,6 @@
+"""EndpointPickerConfig: strict decoding (`schema`), defaults and plugin instantiation
+(`loader`), the runtime built from it and the holder that installs, reloads and retires runtimes
+(`runtime`), objectives (`objectives`) and `picker config validate|show` (`cli`).
+
+May import: plugins (the registry), framework, scheduling, datalayer, datastore, telemetry.
+"""

@@ -8,10 +8,11 @@ The returned `LoadedConfig.config` is the effective config with every default wr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -28,18 +29,20 @@ from picker.config.schema import (
     SchedulingProfileSpec,
     decode,
 )
-from picker.scheduling.config_plugins import CoreMetricsExtractor, MetricsDataSource, OpenAIParser
-from picker.scheduling.framework import (
+from picker.datalayer.plugins import CoreMetricsExtractor, MetricsDataSource
+from picker.framework.handle import Handle
+from picker.framework.parameters import PluginConfigError
+from picker.framework.plugin import (
     DataProducer,
     Filter,
-    Handle,
+    Parser,
     Picker,
     Plugin,
     ProfileHandler,
     SaturationDetector,
     Scorer,
 )
-from picker.scheduling.registry import PluginConfigError, default_producer, is_registered, lookup
+from picker.plugins import REGISTRY
 
 DEFAULT_PROFILE = "default"
 DEFAULT_SCORER_WEIGHT = 1.0
@@ -75,10 +78,10 @@ def parse_file(path: str | Path) -> EndpointPickerConfig:
 
 
 def default_config() -> EndpointPickerConfig:
-    """The reference default (no config given): queue 2, kv-cache 2 and, once a plugin module
-    registers it, prefix-cache 3, plus the data layer."""
+    """The reference default (no config given): queue 2, kv-cache 2 and prefix-cache 3 (when
+    registered), plus the data layer."""
     weighted = [("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0)]
-    if is_registered("prefix-cache-scorer"):
+    if REGISTRY.lookup("prefix-cache-scorer") is not None:
         weighted.append(("prefix-cache-scorer", 3.0))
     plugins = [PluginSpec(t, t) for t, _ in weighted]
     plugins += [PluginSpec(t, t) for t in ("metrics-data-source", "core-metrics-extractor")]
@@ -98,7 +101,7 @@ class _Builder:
 
     def instantiate(self, spec: PluginSpec, place: str) -> None:
         self.specs.append(spec)
-        registration = lookup(spec.type)
+        registration = REGISTRY.lookup(spec.type)
         if registration is None:
             self.errors.append(f'{place}.type: unknown plugin type "{spec.type}"')
             return
@@ -151,7 +154,7 @@ class _Builder:
 
         profiles = self.profiles()
         self.profile_handler(profiles)
-        parser = self.single_ref(config.parser, "parser", "openai-parser", OpenAIParser, "a request parser")
+        parser = self.single_ref(config.parser, "parser", "openai-parser", Parser, "a request parser")
         detector = self.single_ref(
             config.saturation_detector,
             "saturationDetector",
@@ -181,12 +184,12 @@ class _Builder:
     def profiles(self) -> tuple[SchedulingProfileSpec, ...]:
         declared = self.config.scheduling_profiles
         if not declared:
-            refs = tuple(
+            every = tuple(
                 ProfilePluginRef(spec.name)
                 for spec in self.specs
                 if isinstance(self.plugins.get(spec.name), (Filter, Scorer, Picker))
             )
-            declared = (SchedulingProfileSpec(DEFAULT_PROFILE, refs),)
+            declared = (SchedulingProfileSpec(DEFAULT_PROFILE, every),)
         result = []
         seen: set[str] = set()
         for i, profile in enumerate(declared):
@@ -194,8 +197,8 @@ class _Builder:
             if profile.name in seen:
                 self.errors.append(f'{place}.name: duplicate profile name "{profile.name}"')
             seen.add(profile.name)
-            refs = []
-            pickers = []
+            refs: list[ProfilePluginRef] = []
+            pickers: list[str] = []
             for j, ref in enumerate(profile.plugins):
                 ref_place = f"{place}.plugins[{j}].pluginRef"
                 plugin = self.check_ref(
@@ -239,12 +242,21 @@ class _Builder:
             source = self.ensure("metrics-data-source")
             extractor = self.ensure("core-metrics-extractor")
             return DataLayerSpec((DataSourceSpec(source, (PluginRef(extractor),)),))
-        for i, source in enumerate(spec.sources):
+        if len(spec.sources) > 1:
+            self.errors.append(
+                f"dataLayer.sources: the picker reads one metrics page per endpoint, found {len(spec.sources)} sources"
+            )
+        for i, data_source in enumerate(spec.sources):
             place = f"dataLayer.sources[{i}]"
-            self.check_ref(source.plugin_ref, f"{place}.pluginRef", MetricsDataSource, "a data source")
-            for j, extractor in enumerate(source.extractors):
+            if len(data_source.extractors) > 1:
+                self.errors.append(
+                    f"{place}.extractors: one core-metrics-extractor reads every metric, "
+                    f"found {len(data_source.extractors)}"
+                )
+            self.check_ref(data_source.plugin_ref, f"{place}.pluginRef", MetricsDataSource, "a data source")
+            for j, extractor_ref in enumerate(data_source.extractors):
                 self.check_ref(
-                    extractor.plugin_ref, f"{place}.extractors[{j}].pluginRef", CoreMetricsExtractor, "an extractor"
+                    extractor_ref.plugin_ref, f"{place}.extractors[{j}].pluginRef", CoreMetricsExtractor, "an extractor"
                 )
         return spec
 
@@ -266,18 +278,18 @@ class _Builder:
         """Add the registered default producer of every consumed key nobody produces."""
         checked: set[tuple[str, str]] = set()
         while True:  # a new producer may itself consume keys
-            produced = {key for p in self.plugins.values() if isinstance(p, DataProducer) for key in p.produces}
+            produced = {key.name for p in self.plugins.values() if isinstance(p, DataProducer) for key in p.produces}
             missing = [
                 (plugin.name, key)
                 for plugin in self.plugins.values()
-                for key in sorted(plugin.consumes - produced)
+                for key in sorted({k.name for k in plugin.consumes} - produced)
                 if (plugin.name, key) not in checked
             ]
             if not missing:
                 return
             for name, key in missing:
                 checked.add((name, key))
-                producer_type = default_producer(key)
+                producer_type = REGISTRY.default_producer(key)
                 if producer_type is None:
                     self.errors.append(f'plugin "{name}" consumes "{key}" but no plugin produces it')
                 else:
@@ -288,9 +300,11 @@ class _Builder:
         by_key: dict[str, list[str]] = {}
         for producer in producers:
             for key in producer.produces:
-                by_key.setdefault(key, []).append(producer.name)
+                by_key.setdefault(key.name, []).append(producer.name)
         graph = {
-            p.name: {dependency for key in p.consumes for dependency in by_key.get(key, ()) if dependency != p.name}
+            p.name: {
+                dependency for key in p.consumes for dependency in by_key.get(key.name, ()) if dependency != p.name
+            }
             for p in producers
         }
         try:

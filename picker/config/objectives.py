@@ -37,7 +37,9 @@ def parse_objectives(text: str) -> dict[str, int | None]:
     for i, doc in enumerate(documents):
         if isinstance(doc, dict) and "kind" not in doc:
             for name, priority in doc.items():
-                if not isinstance(name, str) or (priority is not None and (not isinstance(priority, int) or isinstance(priority, bool))):
+                if not isinstance(name, str) or (
+                    priority is not None and (not isinstance(priority, int) or isinstance(priority, bool))
+                ):
                     raise ConfigError([f"objectives[{i}].{name}: expected name: integer priority"])
                 objectives[name] = priority
             continue

@@ -1,18 +1,14 @@
-"""The scheduling runtime built from one config, and the holder that swaps it on reload.
+"""The runtime built from one config, and the holder that installs, swaps and retires runtimes.
 
-The request path reads `holder.current` once per request and uses that `Runtime` throughout,
-so a reload never mixes two configs within one request. Swapping is a single attribute
-assignment on the event loop, hence atomic.
+A `Runtime` is what one effective config turned into: its plugins sorted by the hooks they
+implement, its scheduler and its data-layer settings. It runs nothing itself: the director
+(`picker.requestcontrol`) runs the hooks per request. The request path reads `holder.current`
+once per request and uses that runtime throughout, so a reload never mixes two configs within
+one request; swapping is one attribute assignment on the event loop, hence atomic.
 
-Per request (the Director's view)::
-
-    runtime = holder.current
-    runtime.admit(request, candidates)   # = priority < 0 and saturation >= 1.0 → RequestError 429
-    await runtime.prepare_async(request, candidates)   # optional async producer work
-    result = runtime.scheduler.schedule(request, candidates)
-    runtime.pre_request(request, result)
-    ...
-    runtime.response_complete(request, result, outcome)
+A reload builds the new runtime completely (a failed build changes nothing), installs it, then
+starts its background work, stops the old runtime's and releases the persistent objects the new
+config no longer uses (`Handle.persistent`), with their datastore listeners.
 """
 
 from __future__ import annotations
@@ -21,117 +17,115 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from time import perf_counter
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from picker.config.loader import DEFAULT_SCORER_WEIGHT, LoadedConfig, build, default_config, parse_text
+from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text
 from picker.config.schema import ConfigError, EndpointPickerConfig, ProfilePluginRef
-from picker.datastore.endpoint import EndpointState
+from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDataSource
 from picker.datastore.store import Datastore
-from picker.request.errors import RequestError
-from picker.request.model import InferenceRequest, ResponseOutcome
-from picker.scheduling.config_plugins import CoreMetricsExtractor, MetricsDataSource
-from picker.scheduling.decisions import DecisionLog
-from picker.scheduling.framework import (
-    AsyncPreparer,
+from picker.framework.handle import Handle, PersistentObjects
+from picker.framework.plugin import (
+    BackgroundWork,
+    DataProducer,
     Filter,
-    Handle,
+    Parser,
     Picker,
     Plugin,
     PreRequest,
     ProfileHandler,
     ResponseComplete,
+    ResponseReceived,
+    ResponseStreaming,
     SaturationDetector,
     Scorer,
-    SchedulingResult,
 )
+from picker.framework.request import InferenceRequest
 from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
+from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import CONFIG_LAST_RELOAD, CONFIG_RELOADS, PLUGIN_DURATION
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_SECONDS = 0.5
-# The reference bounds all PrepareData work of one request by 400 ms.
-PREPARE_TIMEOUT_SECONDS = 0.4
 
 
 @dataclass(frozen=True, slots=True)
-class DataSource:
-    """One configured metrics source and its extractors, for the data layer's collector."""
+class Step:
+    """A plugin at one extension point, with its timer for the plugin-duration histogram."""
 
-    source: MetricsDataSource
-    extractors: tuple[CoreMetricsExtractor, ...]
+    plugin: Any
+    timer: Any  # a prometheus child histogram
+
+
+def _steps(plugins: Sequence[Plugin], extension_point: str) -> tuple[Step, ...]:
+    return tuple(Step(p, PLUGIN_DURATION.labels(extension_point, p.plugin_type, p.name)) for p in plugins)
 
 
 class Runtime:
     """Everything a request needs from one effective config.
 
-    - `scheduler`: `schedule(request, candidates) -> SchedulingResult`.
-    - `data_sources`: what the data layer should scrape (None with `enableLegacyMetrics` and
-      no `dataLayer` section; empty when `dataLayer.sources: []` turns collection off).
-    - `feature_gates`, `config` (effective, every default filled in), `plugins` by name.
+    - `config` (effective, every default filled in), `plugins` by name, `feature_gates`;
+    - `parser`, `saturation_detector`, `scheduler`;
+    - the hooks by extension point, in the order the director runs them: `producers` (in
+      dependency order; `async_producers` those with async work), `pre_request`,
+      `response_received`, `response_streaming`, `response_complete`;
+    - `background`: plugins with work of their own, started when installed;
+    - `data_sources`: what the data layer scrapes (None with `enableLegacyMetrics` and no
+      `dataLayer` section; empty when `dataLayer.sources: []` turns collection off);
+    - `persistent_keys`: the persistent objects (`Handle.persistent`) this config uses.
     """
 
     def __init__(
         self,
-        loaded: LoadedConfig,
-        objectives: Mapping[str, int | None] | None = None,
+        config: EndpointPickerConfig,
+        plugins: Mapping[str, Plugin],
+        producers: Sequence[DataProducer],
+        persistent_keys: frozenset[str],
+        objectives: Mapping[str, int | None],
         decision_log: DecisionLog | None = None,
     ) -> None:
-        config = loaded.config
-        plugins = loaded.plugins
-        self.config: EndpointPickerConfig = config
+        self.config = config
         self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
         self.feature_gates = frozenset(config.feature_gates)
-        self.objectives: Mapping[str, int | None] = objectives or {}
+        self.objectives = objectives
+        self.persistent_keys = persistent_keys
         handler = next(p for p in plugins.values() if isinstance(p, ProfileHandler))
         self.scheduler = Scheduler(
             handler,
             [_profile(spec.name, spec.plugins, plugins) for spec in config.scheduling_profiles],
-            loaded.producers,
             decision_log,
         )
-        assert config.saturation_detector is not None  # filled in by the loader
+        assert config.parser is not None and config.saturation_detector is not None  # the loader fills them
+        parser = plugins[config.parser.plugin_ref]
         detector = plugins[config.saturation_detector.plugin_ref]
-        assert isinstance(detector, SaturationDetector)
+        assert isinstance(parser, Parser) and isinstance(detector, SaturationDetector)
+        self.parser = parser
         self.saturation_detector = detector
         self.data_sources: tuple[DataSource, ...] | None = None
         if config.data_layer is not None:
             self.data_sources = tuple(
                 DataSource(
-                    plugins[s.plugin_ref],  # type: ignore[arg-type]
-                    tuple(plugins[e.plugin_ref] for e in s.extractors),  # type: ignore[misc]
+                    _plugin(plugins, s.plugin_ref, MetricsDataSource),
+                    tuple(_plugin(plugins, e.plugin_ref, CoreMetricsExtractor) for e in s.extractors),
                 )
                 for s in config.data_layer.sources
             )
-        self._async_preparers = tuple(p for p in loaded.producers if isinstance(p, AsyncPreparer))
-        self._pre_request = tuple(
-            (p, PLUGIN_DURATION.labels("PreRequest", p.plugin_type, p.name))
-            for p in plugins.values()
-            if isinstance(p, PreRequest)
+        everything = list(plugins.values())
+        self.producers = _steps(producers, "PrepareData")
+        self.async_producers = tuple(
+            s for s in self.producers if type(s.plugin).prepare_async is not DataProducer.prepare_async
         )
-        self._response_complete = tuple(
-            (p, PLUGIN_DURATION.labels("ResponseComplete", p.plugin_type, p.name))
-            for p in plugins.values()
-            if isinstance(p, ResponseComplete)
+        self.pre_request = _steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest")
+        self.response_received = _steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived")
+        self.response_streaming = _steps(
+            [p for p in everything if isinstance(p, ResponseStreaming)], "ResponseStreaming"
         )
-
-    async def prepare_async(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
-        """Await the producers' async preparation (bounded by 400 ms in total); call it before
-        `scheduler.schedule`. A timeout or failure is logged: `prepare` then works without it."""
-        if not self._async_preparers:
-            return
-        try:
-            async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
-                for preparer in self._async_preparers:
-                    await preparer.prepare_async(request, candidates)
-        except TimeoutError:
-            log.warning("async data preparation for request %s timed out", request.request_id)
-        except Exception:
-            log.exception("async data preparation failed for request %s", request.request_id)
+        self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
+        self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))
 
     def priority(self, request: InferenceRequest) -> int:
         """The request's InferenceObjective priority; no objective, unknown or unset → 0."""
@@ -139,41 +133,17 @@ class Runtime:
             return 0
         return self.objectives.get(request.objective) or 0
 
-    def admit(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
-        """The reference's legacy admission: shed a sheddable request (priority < 0) with
-        ResourceExhausted (429) when the candidates are saturated; others always pass."""
-        if self.priority(request) < 0 and self.saturation(candidates) >= 1.0:
-            raise RequestError("ResourceExhausted", "the pool is saturated and the request is sheddable")
 
-    def saturation(self, candidates: Sequence[EndpointState]) -> float:
-        """The configured detector's saturation of `candidates` (>= 1.0 means saturated)."""
-        return self.saturation_detector.saturation(candidates)
-
-    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
-        """Run every PreRequest plugin; one failing is logged and does not stop the others."""
-        for plugin, timer in self._pre_request:
-            started = perf_counter()
-            try:
-                plugin.pre_request(request, result)
-            except Exception:
-                log.exception("PreRequest plugin %s failed for request %s", plugin.name, request.request_id)
-            if result.timed:
-                timer.observe(perf_counter() - started)
-
-    def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
-        """Run every ResponseComplete plugin; failures are logged."""
-        for plugin, timer in self._response_complete:
-            started = perf_counter()
-            try:
-                plugin.response_complete(request, result, outcome)
-            except Exception:
-                log.exception("ResponseComplete plugin %s failed for request %s", plugin.name, request.request_id)
-            if result.timed:
-                timer.observe(perf_counter() - started)
+def _plugin(plugins: Mapping[str, Plugin], name: str, kind: type[Any]) -> Any:
+    plugin = plugins[name]
+    assert isinstance(plugin, kind)  # the loader checked every reference's type
+    return plugin
 
 
 def _profile(name: str, refs: Sequence[ProfilePluginRef], plugins: Mapping[str, Plugin]) -> SchedulerProfile:
-    filters, scorers, pickers = [], [], []
+    filters: list[Filter] = []
+    scorers: list[WeightedScorer] = []
+    pickers: list[Picker] = []
     for ref in refs:
         plugin = plugins[ref.plugin_ref]
         if isinstance(plugin, Filter):
@@ -186,27 +156,54 @@ def _profile(name: str, refs: Sequence[ProfilePluginRef], plugins: Mapping[str, 
     return SchedulerProfile(name, filters, scorers, pickers[0])
 
 
+InstallListener = Callable[[Runtime], Awaitable[None]]
+
+
 class RuntimeHolder:
-    """Holds the current `Runtime`; loads, reloads and watches the config.
+    """Holds the current `Runtime`; builds, installs, reloads and watches configs.
 
     State that must outlive a reload is kept here: the objectives, the decision log and the
-    plugins' persistent objects (`Handle.persistent`).
+    plugins' persistent objects. Background work runs only between `start()` and `stop()` (on
+    the server's event loop); `on_install` runs after each installed runtime's activation (the
+    data layer follows the config through it).
     """
 
-    def __init__(self, datastore: Datastore | None = None, decision_log: DecisionLog | None = None) -> None:
+    def __init__(
+        self,
+        datastore: Datastore | None = None,
+        decision_log: DecisionLog | None = None,
+        on_install: InstallListener | None = None,
+    ) -> None:
         self.datastore = datastore
         self.decision_log = decision_log
+        self.on_install = on_install
+        self.objects = PersistentObjects()
         self._objectives: Mapping[str, int | None] = MappingProxyType({})
-        self._persistent: dict[str, Any] = {}
         self._source_hash: bytes | None = None
+        self._started = False
+        self._activations: set[asyncio.Task[None]] = set()
+        self._activation_lock = asyncio.Lock()
+        self._active: Runtime | None = None  # the runtime whose background work runs
         self.current: Runtime = self.build(default_config())
 
+    # -- building and installing -------------------------------------------------------------
+
     def build(self, config: EndpointPickerConfig) -> Runtime:
-        """A Runtime for `config` (defaults applied); raises ConfigError. Does not install it."""
-        loaded = build(config, Handle(self.datastore, self._persistent))
-        return Runtime(loaded, self._objectives, self.decision_log)
+        """A Runtime for `config` (defaults applied); raises ConfigError. Does not install it;
+        persistent objects a failed build created are released by the next activation."""
+        handle = Handle(self.datastore, self.objects)
+        try:
+            loaded = build(config, handle)
+        except ConfigError:
+            self._activate_later()
+            raise
+        return Runtime(
+            loaded.config, loaded.plugins, loaded.producers, frozenset(handle.used), self._objectives, self.decision_log
+        )
 
     def install(self, runtime: Runtime) -> None:
+        """Make `runtime` current; its background work starts and the old one's stops (at once
+        when started on a loop, else at `start`)."""
         if "dataLayer" in runtime.feature_gates:
             log.info("the dataLayer feature gate is obsolete: the data layer is always on")
         if "flowControl" in runtime.feature_gates:
@@ -216,6 +213,51 @@ class RuntimeHolder:
             )
         self.current = runtime
         CONFIG_LAST_RELOAD.set(time.time())
+        self._activate_later()
+
+    def _activate_later(self) -> None:
+        if not self._started:
+            return
+        task = asyncio.get_running_loop().create_task(self._activate(), name="config-activate")
+        self._activations.add(task)
+        task.add_done_callback(self._activations.discard)
+
+    async def _activate(self) -> None:
+        """Bring background work and persistent objects in line with the current runtime
+        (one activation at a time, each for whatever is current when it runs)."""
+        async with self._activation_lock:
+            runtime = self.current
+            if runtime is not self._active:
+                for plugin in runtime.background:
+                    plugin.start()
+                old, self._active = self._active, runtime
+                if old is not None:
+                    await _stop_all(old.background)
+            await self.objects.retain(runtime.persistent_keys)
+            if self.on_install is not None:
+                await self.on_install(runtime)
+
+    async def settle(self) -> None:
+        """Wait until every install so far has been activated."""
+        while self._activations:
+            await asyncio.gather(*list(self._activations), return_exceptions=True)
+
+    async def start(self) -> None:
+        """Start the current runtime's background work (call on the serving loop)."""
+        self._started = True
+        self._activate_later()
+        await self.settle()
+
+    async def stop(self) -> None:
+        """Stop every plugin's background work and release every persistent object."""
+        self._started = False
+        await self.settle()
+        if self._active is not None:
+            await _stop_all(self._active.background)
+            self._active = None
+        await self.objects.release_all()
+
+    # -- loading ------------------------------------------------------------------------------
 
     def load_text(self, text: str) -> Runtime:
         """Parse, build and install `text`; raises ConfigError and keeps the old runtime."""
@@ -279,4 +321,13 @@ class RuntimeHolder:
             except OSError as error:
                 log.debug("config file %s is not readable right now: %s", path, error)
                 continue
-            self.reload(data, str(path))
+            if self.reload(data, str(path)):
+                await self.settle()
+
+
+async def _stop_all(plugins: Sequence[BackgroundWork]) -> None:
+    for plugin in plugins:
+        try:
+            await plugin.stop()
+        except Exception:
+            log.exception("stopping plugin %s failed", plugin.name)

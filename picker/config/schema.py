@@ -7,10 +7,11 @@ must be a number`); all problems found are reported together in one `ConfigError
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from picker.scheduling.parameters import parse_duration
+from picker.framework.durations import parse_duration
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
 KIND = "EndpointPickerConfig"
@@ -130,9 +131,10 @@ class _Decoder:
         if not isinstance(value, str):
             self.fail(path, f"must be a string, got {_kind(value)}")
             return None
-        if required and not value:
+        text: str = value
+        if required and not text:
             self.fail(path, "must not be empty")
-        return value
+        return text
 
     def integer(self, value: Any, path: str) -> int | None:
         if value is None:

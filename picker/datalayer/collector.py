@@ -113,7 +113,6 @@ class MetricsCollector:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ending: set[asyncio.Task[None]] = set()  # cancelled, not yet finished
         self._pool_task: asyncio.Task[None] | None = None
-        self._listening = False
         self._failing: dict[str, str] = {}  # address → reason of the current failure streak
         self._missing: dict[str, frozenset[str]] = {}  # address → selectors absent last scrape
         self._per_pod_labels: set[str] = set()
@@ -132,17 +131,17 @@ class MetricsCollector:
             # Plain text, uncompressed: gzip would cost CPU on both sides of a LAN hop.
             headers={"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"},
         )
-        if not self._listening:
-            self._datastore.add_listener(self._on_endpoints_changed)
-            self._listening = True
+        self._datastore.add_listener(self._on_endpoints_changed)
         self._sync_tasks(self._datastore.endpoints().keys())
         self._pool_task = asyncio.create_task(self._refresh_pool_gauges_forever(), name="pool-gauges")
 
     async def stop(self) -> None:
-        """Stop every scrape task and close the HTTP pool; metrics already stored stay."""
+        """Stop every scrape task, stop following the datastore and close the HTTP pool;
+        metrics already stored stay."""
         session, self._session = self._session, None
         if session is None:
             return
+        self._datastore.remove_listener(self._on_endpoints_changed)
         for address in list(self._tasks):
             self._stop_task(address)
         pending = set(self._ending)

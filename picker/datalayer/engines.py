@@ -49,7 +49,7 @@ def parse_selector(text: str) -> MetricSelector | None:
         return None
     match = _SELECTOR.fullmatch(text)
     if match is None:
-        raise ValueError(f"invalid metric spec {text!r}: expected name or name{{label=\"value\"}}")
+        raise ValueError(f'invalid metric spec {text!r}: expected name or name{{label="value"}}')
     name, inner = match.group(1), match.group(2)
     labels: list[tuple[str, str]] = []
     pos = 0
@@ -87,8 +87,13 @@ class EngineSpec:
 
     def __post_init__(self) -> None:
         selectors = (
-            self.queued, self.running, *self.kv_usage, self.lora, self.cache_info,
-            self.cache_block_size, self.cache_num_blocks,
+            self.queued,
+            self.running,
+            *self.kv_usage,
+            self.lora,
+            self.cache_info,
+            self.cache_block_size,
+            self.cache_num_blocks,
         )
         object.__setattr__(self, "families", frozenset(s.family for s in selectors if s is not None))
 

@@ -230,12 +230,12 @@ def parse_page(
             block_size = size if size is not None else block_size
             num_blocks = count if count is not None else num_blocks
             extracted += 1
-    for selector, is_size in ((spec.cache_block_size, True), (spec.cache_num_blocks, False)):
-        if selector is None:
+    for cache_selector, is_size in ((spec.cache_block_size, True), (spec.cache_num_blocks, False)):
+        if cache_selector is None:
             continue
-        sample = scan.latest(selector)
+        sample = scan.latest(cache_selector)
         if sample is None:
-            missing.append(str(selector))
+            missing.append(str(cache_selector))
             continue
         if is_size:
             block_size = int(sample[1])

@@ -7,7 +7,7 @@ path only reads.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 
@@ -47,6 +47,15 @@ class Datastore:
         """Call `listener(old, new)` whenever the endpoint set changes."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: EndpointListener) -> None:
+        """Stop calling `listener` (added with `add_listener`); unknown listeners are ignored."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def listener_count(self) -> int:
+        """How many listeners are registered (a reload must not grow it)."""
+        return len(self._listeners)
+
     def endpoints(self) -> dict[str, Endpoint]:
         return self._endpoints
 
@@ -82,6 +91,7 @@ class Datastore:
     def snapshot(self, addresses: Iterable[str] | None = None) -> list[EndpointState]:
         """The state of every endpoint, or of those of `addresses` that are in the pool."""
         endpoints = self._endpoints
+        selected: Iterable[Endpoint]
         if addresses is None:
             selected = endpoints.values()
         else:

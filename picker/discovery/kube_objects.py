@@ -60,17 +60,20 @@ def format_label_selector(labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def validate_target_ports(ports: Iterable[int]) -> tuple[int, ...]:
-    """1-8 unique ports in 1..65535, order kept (it defines ranks)."""
-    result = tuple(ports)
-    if not 1 <= len(result) <= MAX_TARGET_PORTS:
-        raise PoolSpecError(f"need 1 to {MAX_TARGET_PORTS} target ports, got {len(result)}")
-    if len(set(result)) != len(result):
-        raise PoolSpecError(f"target ports must be unique, got {list(result)}")
-    for port in result:
+def validate_target_ports(ports: Iterable[object]) -> tuple[int, ...]:
+    """1-8 unique ports in 1..65535, order kept (it defines ranks). Takes any values, since pool
+    objects are untyped JSON: each is checked to be an int."""
+    values = tuple(ports)
+    if not 1 <= len(values) <= MAX_TARGET_PORTS:
+        raise PoolSpecError(f"need 1 to {MAX_TARGET_PORTS} target ports, got {len(values)}")
+    if len(set(values)) != len(values):
+        raise PoolSpecError(f"target ports must be unique, got {list(values)}")
+    result: list[int] = []
+    for port in values:
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise PoolSpecError(f"target port {port!r} is not in 1..65535")
-    return result
+        result.append(port)
+    return tuple(result)
 
 
 def parse_pool_spec(pool: Mapping[str, Any], group: str) -> PoolSpec:
@@ -96,9 +99,7 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     if not status.get("podIP"):
         return False
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
-    )
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
 
 
 def _csv_ints(value: str, what: str, pod_name: str) -> list[int] | None:

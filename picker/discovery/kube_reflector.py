@@ -20,14 +20,18 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import urllib3
 from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
+from kubernetes.watch import watch as kube_watch
 
 log = logging.getLogger(__name__)
+
+# The client ships py.typed but leaves this helper unannotated: it yields the response's lines,
+# decoded as UTF-8.
+_iter_resp_lines: Callable[[urllib3.BaseHTTPResponse], Iterator[str]] = kube_watch.iter_resp_lines
 
 Objects = dict[str, dict[str, Any]]
 # Calls one list or watch endpoint with `_preload_content=False` and the given query arguments.
@@ -41,7 +45,7 @@ _WATCH_TIMEOUT = (240, 360)
 _CONNECT_TIMEOUT = 5.0
 
 
-class _Relist(Exception):
+class _RelistNeededError(Exception):
     """The watch's resourceVersion is gone: list again."""
 
 
@@ -90,7 +94,7 @@ class KubeReflector:
                     self._list()
                 self._watch()
                 delay = _RETRY_MIN
-            except _Relist:
+            except _RelistNeededError:
                 self._resource_version = None
             except ApiException as exc:
                 if exc.status == 410:
@@ -120,7 +124,7 @@ class KubeReflector:
             body = json.loads(response.data)
         finally:
             response.release_conn()
-        objects = {}
+        objects: Objects = {}
         for item in body.get("items") or ():
             objects[item["metadata"]["name"]] = item
         self._objects = objects
@@ -140,7 +144,7 @@ class KubeReflector:
         if self._stopped.is_set():  # stop() raced with the connect
             return
         try:
-            for line in iter_resp_lines(response):
+            for line in _iter_resp_lines(response):
                 if self._stopped.is_set():
                     return
                 if line:
@@ -150,17 +154,19 @@ class KubeReflector:
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        obj = event.get("object") or {}
+        obj: dict[str, Any] = event.get("object") or {}
         if kind == "ERROR":
             if obj.get("code") == 410:
-                raise _Relist()
+                raise _RelistNeededError()
             raise ApiException(status=obj.get("code"), reason=obj.get("message"))
-        metadata = obj.get("metadata") or {}
+        metadata: dict[str, Any] = obj.get("metadata") or {}
         self._resource_version = metadata.get("resourceVersion", self._resource_version)
         if kind == "BOOKMARK":
             return
         if kind == "DELETED":
-            self._objects.pop(metadata.get("name"), None)
+            name = metadata.get("name")
+            if name is not None:  # a nameless object was never stored
+                self._objects.pop(name, None)
         elif kind in ("ADDED", "MODIFIED"):
             self._objects[metadata["name"]] = obj
         else:

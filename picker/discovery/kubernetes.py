@@ -46,14 +46,18 @@ class KubeCredentialsError(Exception):
 def api_client(kubeconfig: str | None) -> client.ApiClient:
     """A client for `kubeconfig`, else the in-cluster service account, else $KUBECONFIG or
     ~/.kube/config."""
+    # The client ships py.typed but leaves its config loaders unannotated: type the ones used here.
+    new_client_from_config: Callable[..., client.ApiClient] = config.new_client_from_config
+    load_incluster_config: Callable[..., None] = config.load_incluster_config
+    load_kube_config: Callable[..., None] = config.load_kube_config
     try:
         if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)
+            return new_client_from_config(config_file=kubeconfig)
         configuration = client.Configuration()
         try:
-            config.load_incluster_config(client_configuration=configuration)
+            load_incluster_config(client_configuration=configuration)
         except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)
+            load_kube_config(client_configuration=configuration)
         return client.ApiClient(configuration)
     except (config.ConfigException, OSError, ValueError) as exc:
         where = kubeconfig or "in-cluster service account, $KUBECONFIG or ~/.kube/config"
@@ -181,7 +185,9 @@ class KubernetesDiscovery:
             **query,
         )
 
-    def _start_reflector(self, name: str, list_call: Callable[..., Any], on_change: Callable[[Objects], None]) -> KubeReflector:
+    def _start_reflector(
+        self, name: str, list_call: Callable[..., Any], on_change: Callable[[Objects], None]
+    ) -> KubeReflector:
         assert self._loop is not None
         reflector = KubeReflector(name, list_call, on_change, self._loop)
         self._reflectors.append(reflector)
@@ -248,8 +254,13 @@ class KubernetesDiscovery:
             log.error("InferencePool %s/%s ignored: %s", self._namespace, self._pool_name, exc)
             return
         if spec != self._spec:
-            log.info("InferencePool %s/%s: selector %s, target ports %s",
-                     self._namespace, self._pool_name, spec.label_selector, list(spec.target_ports))
+            log.info(
+                "InferencePool %s/%s: selector %s, target ports %s",
+                self._namespace,
+                self._pool_name,
+                spec.label_selector,
+                list(spec.target_ports),
+            )
             self._target(spec)
 
     def _on_objectives_changed(self, objects: Objects) -> None:
@@ -265,8 +276,12 @@ class KubernetesDiscovery:
             return  # deleted or not created yet: keep running on the last config
         text = config_map_text(config_map, self._config_map_key)
         if text is None:
-            log.error("ConfigMap %s/%s has no key %s", self._namespace, self._config_map,
-                      self._config_map_key or "ending in .yaml")
+            log.error(
+                "ConfigMap %s/%s has no key %s",
+                self._namespace,
+                self._config_map,
+                self._config_map_key or "ending in .yaml",
+            )
             return
         if text != self._config_text:
             self._config_text = text
@@ -279,8 +294,11 @@ class KubernetesDiscovery:
         if self._stopped.is_set():
             return
         if not served:
-            log.info("InferenceObjective CRD (%s/%s) is not installed: priorities default to 0",
-                     OBJECTIVE_GROUP, OBJECTIVE_VERSION)
+            log.info(
+                "InferenceObjective CRD (%s/%s) is not installed: priorities default to 0",
+                OBJECTIVE_GROUP,
+                OBJECTIVE_VERSION,
+            )
             return
         self._start_reflector(
             "inferenceobjective",

@@ -75,10 +75,10 @@ def parse_endpoint_file(text: str) -> list[Endpoint]:
         raise EndpointListError("expected a list of endpoints")
     endpoints = [_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(data)]
     seen: set[str] = set()
-    for i, e in enumerate(endpoints):
-        if e.address in seen:
-            raise EndpointListError(f"endpoints[{i}]: duplicate address {e.address}")
-        seen.add(e.address)
+    for i, endpoint in enumerate(endpoints):
+        if endpoint.address in seen:
+            raise EndpointListError(f"endpoints[{i}]: duplicate address {endpoint.address}")
+        seen.add(endpoint.address)
     return endpoints
 
 
@@ -105,8 +105,12 @@ class EndpointFile:
         except (EndpointListError, UnicodeDecodeError) as e:
             if initial:
                 raise EndpointListError(f"{self.path}: {e}") from None
-            log.error("ignoring invalid endpoints file %s (keeping %d endpoints): %s",
-                      self.path, len(self.datastore.endpoints()), e)
+            log.error(
+                "ignoring invalid endpoints file %s (keeping %d endpoints): %s",
+                self.path,
+                len(self.datastore.endpoints()),
+                e,
+            )
             self._digest = digest
             return
         self._digest = digest

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -102,7 +102,8 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     if LB_NAMESPACE in fields:
         value = fields[LB_NAMESPACE].fields.get(SERVED_KEY)
         if value is not None and value.string_value:
-            return value.string_value
+            served: str = value.string_value  # a google.protobuf.Value (the envoy stubs are untyped)
+            return served
     return None
 
 
@@ -142,9 +143,7 @@ def route_in_headers(destination: str, content_length: int | None, remove: list[
     )
 
 
-def route_in_body(
-    destination: str, remove: list[str], new_body: bytes | None = None
-) -> pb.ProcessingResponse:
+def route_in_body(destination: str, remove: list[str], new_body: bytes | None = None) -> pb.ProcessingResponse:
     """The BUFFERED request-body answer carrying the pick (and a replaced body, if any)."""
     length = len(new_body) if new_body is not None else None
     return pb.ProcessingResponse(

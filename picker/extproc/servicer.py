@@ -1,35 +1,30 @@
 """The ext_proc servicer: one bidirectional stream per HTTP request, answered in order.
 
-Request path: keep the headers; accumulate the body to end_of_stream; parse; pick; answer
-with the destination header + `envoy.lb` metadata (in the headers response for duplex and
-streamed modes, in the body response for BUFFERED), then re-emit the body in duplex mode.
-Response path: pass everything through, note TTFT, usage and the served endpoint, and
-release the request's in-flight slot when the stream ends for any reason.
+Request path: keep the headers; accumulate the body to end_of_stream; hand it to the director
+(`picker.requestcontrol`), which parses and picks; answer with the destination header +
+`envoy.lb` metadata (in the headers response for duplex and streamed modes, in the body
+response for BUFFERED), then re-emit the body in duplex mode. Response path: pass everything
+through and report what passes to the request's `RoutedRequest`, which the stream finishes
+when it ends for any reason.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.director import Director, RoutedRequest
 from picker.extproc import messages
 from picker.extproc.messages import BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, STREAMED
 from picker.request.errors import RequestError
-from picker.request.openai import parse_request, rewrite_model
-from picker.request.usage import SseUsageScanner, parse_usage
+from picker.requestcontrol.director import Director, RoutedRequest
 from picker.telemetry import metrics
 
 log = logging.getLogger(__name__)
-
-# A non-streaming response body is kept (for its usage) only up to this size.
-MAX_RESPONSE_BUFFER = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +32,6 @@ class ExtProcSettings:
     """Per-server knobs of the ext_proc protocol handling."""
 
     max_body_bytes: int = 16 << 20
-    tenant_header: str | None = None
     honour_subset_hint: bool = True
 
 
@@ -49,8 +43,17 @@ class _Stream:
     """The state of one ext_proc stream (one HTTP request)."""
 
     __slots__ = (
-        "director", "settings", "request_mode", "response_mode", "send_body_early", "headers",
-        "subset", "body", "body_size", "chunks", "routed", "streaming", "sse", "response_buffer", "response_over_cap",
+        "body",
+        "body_size",
+        "chunks",
+        "director",
+        "headers",
+        "request_mode",
+        "response_mode",
+        "routed",
+        "send_body_early",
+        "settings",
+        "subset",
     )
 
     def __init__(self, director: Director, settings: ExtProcSettings) -> None:
@@ -65,10 +68,6 @@ class _Stream:
         self.body_size = 0
         self.chunks = 0
         self.routed: RoutedRequest | None = None
-        self.streaming = False
-        self.sse: SseUsageScanner | None = None
-        self.response_buffer: list[bytes] | None = None
-        self.response_over_cap = False
 
     # -- request path -----------------------------------------------------------------------
 
@@ -81,8 +80,6 @@ class _Stream:
             self.response_mode = config.response_body_mode
             self.send_body_early = config.send_body_without_waiting_for_header_response
         self.headers = messages.header_map(req.request_headers.headers)
-        if "x-request-id" not in self.headers:
-            self.headers["x-request-id"] = str(uuid.uuid4())
         if self.settings.honour_subset_hint:
             self.subset = messages.subset_hint(req)
         if req.request_headers.end_of_stream or (self.request_mode == STREAMED and not self.send_body_early):
@@ -122,19 +119,12 @@ class _Stream:
     async def _route_body(self, trailers_follow: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self.body)
         self.body = []
-        request = parse_request(
-            body, self.headers, self.headers["x-request-id"], tenant_header=self.settings.tenant_header
-        )
-        new_body = None
-        if request.target_model != request.model:
-            new_body = rewrite_model(request.body, request.target_model)
-        self.routed = await self.director.route(request, self.subset)
-        self.streaming = request.stream
-        destination = self.routed.destination
+        routed = self.routed = await self.director.route(body, self.headers, self.subset)
+        destination = routed.destination
         removed = self._removed_headers()
+        out_body = routed.body
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
-            return [messages.route_in_body(destination, removed, new_body)]
-        out_body = body if new_body is None else new_body
+            return [messages.route_in_body(destination, removed, None if out_body is body else out_body)]
         responses = [messages.route_in_headers(destination, len(out_body), removed)]
         if self.request_mode == FULL_DUPLEX_STREAMED:
             responses.extend(messages.streamed_request_body(out_body, end_of_stream=not trailers_follow))
@@ -148,17 +138,16 @@ class _Stream:
     # -- response path ----------------------------------------------------------------------
 
     def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        headers = messages.header_map(req.response_headers.headers)
         routed = self.routed
         if routed is not None:
-            routed.status = int(headers.get(":status", "0") or 0)
-            routed.served = messages.served_endpoint(req) or headers.get(messages.SERVED_KEY) or routed.served
-            if "text/event-stream" in headers.get("content-type", ""):
-                self.sse = SseUsageScanner()
-            else:
-                self.response_buffer = []
-            if req.response_headers.end_of_stream:
-                routed.finish()
+            headers = messages.header_map(req.response_headers.headers)
+            status = headers.get(":status", "0")
+            routed.response_headers(
+                int(status) if status.isdigit() else 0,
+                messages.served_endpoint(req) or headers.get(messages.SERVED_KEY),
+                headers.get("content-type", ""),
+                req.response_headers.end_of_stream,
+            )
         return [messages.continue_response_headers()]
 
     def on_response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -166,32 +155,14 @@ class _Stream:
         end = req.response_body.end_of_stream
         routed = self.routed
         if routed is not None:
-            routed.response_body(len(chunk))
-            if routed.served is None:
-                routed.served = messages.served_endpoint(req)
-            if self.sse is not None:
-                self.sse.feed(chunk)
-                if end:
-                    routed.usage = self.sse.usage
-            elif self.response_buffer is not None and not self.response_over_cap:
-                if routed.response_bytes > MAX_RESPONSE_BUFFER:
-                    self.response_over_cap = True
-                    self.response_buffer = None
-                else:
-                    self.response_buffer.append(chunk)
-                    if end:
-                        routed.usage = parse_usage(b"".join(self.response_buffer))
-            if end:
-                routed.finish()
+            routed.response_body(chunk, end, None if routed.served is not None else messages.served_endpoint(req))
         if self.response_mode == FULL_DUPLEX_STREAMED:
             return [messages.streamed_response_body(chunk, end)]
         return [messages.continue_response_body()]
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
         if self.routed is not None:
-            if self.sse is not None:
-                self.routed.usage = self.sse.usage
-            self.routed.finish()
+            self.routed.response_trailers()
         return [messages.continue_response_trailers()]
 
     async def dispatch(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -217,7 +188,7 @@ class _Stream:
             self.routed.finish(error)
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # generated, untyped base
     """`envoy.service.ext_proc.v3.ExternalProcessor`: answers each message in protocol order."""
 
     def __init__(self, director: Director, settings: ExtProcSettings = ExtProcSettings()) -> None:
@@ -245,7 +216,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     log.exception("ext_proc stream failed")
                     error = "Internal"
                     metrics.STREAM_ERRORS.labels(error).inc()
-                    yield messages.immediate(500, RequestError("Internal", "internal error in the endpoint picker").body())
+                    yield messages.immediate(
+                        500, RequestError("Internal", "internal error in the endpoint picker").body()
+                    )
                     return
                 for response in responses:
                     yield response

@@ -21,7 +21,7 @@ def self_signed_certificate(common_name: str = "picker") -> tuple[bytes, bytes]:
     """(key PEM, certificate PEM) valid for a year, as the reference EPP makes when no cert is given."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -1,2 +1,5 @@
-"""Model servers' KV-cache events: vLLM wire format (decode, encode), the ZMQ subscriber that
-feeds the precise prefix index (`picker.prefix.precise`), and its scorer plugin."""
+"""Model servers' KV-cache events: vLLM's wire format (`decode`), the ZMQ `subscriber`, the
+precise index it feeds (`precise`) and the `precise-prefix-cache-scorer` plugin.
+
+May import: prefix (block hashes, the prefix producer's keys), framework, datastore, telemetry.
+"""

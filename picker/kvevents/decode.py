@@ -141,7 +141,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise EventDecodeError("batch ts must be a number")
     if not isinstance(events, (list, tuple)):
         raise EventDecodeError("batch events must be an array")
-    return EventBatch(float(ts), tuple(_event(e, i) for i, e in enumerate(events)), _opt_int(rank, "data_parallel_rank"))
+    return EventBatch(
+        float(ts), tuple(_event(e, i) for i, e in enumerate(events)), _opt_int(rank, "data_parallel_rank")
+    )
 
 
 def _event(raw: Any, index: int) -> KVEvent:
@@ -154,9 +156,10 @@ def _event(raw: Any, index: int) -> KVEvent:
         if tag == "BlockRemoved":
             return _block_removed(_positional(values, _REMOVED_FIELDS, _REMOVED_REQUIRED, tag, index), index)
     elif isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
+        kind = raw.get("type")
+        if not isinstance(kind, str):
             raise EventDecodeError(f"event {index}: map event needs a string 'type'")
+        tag = kind
         if tag == "BlockStored":
             return _block_stored(raw, index)
         if tag == "BlockRemoved":

@@ -1,7 +1,7 @@
 """`precise-prefix-cache-scorer`: prefix affinity from the engines' own KV-cache events.
 
 Scores each candidate by the tier-weighted longest prefix of the request's token blocks that
-its engine reports cached (see `picker.prefix.precise`). The request's blocks come from the
+its engine reports cached (see `picker.kvevents.precise`). The request's blocks come from the
 `PromptBlocks` the prefix producer computes once per request (`approx-prefix-cache-producer`,
 added by default); character blocks (no tokenizer) cannot be matched and score 0. After the
 pick the scorer predicts the target will cache the prompt (speculative entries, `speculativeTTL`)
@@ -26,37 +26,35 @@ parameters keeps the warm index; changed parameters replace them (the old subscr
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from picker.datastore.endpoint import EndpointState
-from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
-from picker.prefix.hashing import token_block_hashes
-from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
-from picker.prefix.precise import PreciseIndex, TierWeights
-from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import (
+from picker.framework.cycle_state import CycleState, StateKey
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.plugin import (
     BackgroundWork,
-    CycleState,
     DataProducer,
-    Handle,
     PreRequest,
     SchedulingResult,
     Scorer,
     ScorerCategory,
 )
-from picker.scheduling.parameters import Parameters
-from picker.scheduling.registry import PluginConfigError, register
+from picker.framework.request import InferenceRequest
+from picker.kvevents.precise import PreciseIndex, TierWeights
+from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from picker.prefix.hashing import token_block_hashes
+from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
+from picker.prefix.prompt_blocks import TOKENS
 
 log = logging.getLogger(__name__)
 
-_SHARED_KEY = "kvevents/precise-index"
-_HASHES_KEY = "precise-prefix-cache-scorer/hashes"
-_SCORES_KEY = "precise-prefix-cache-scorer/scores"
+_RUNTIME_KEY = "kvevents/precise-index"
+_HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
+_SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,29 +106,24 @@ def _weight(value: Any, tier: str) -> float:
 
 
 class PreciseRuntime:
-    """The index and its subscriber, shared by every scorer instance built from one config."""
+    """The index and its subscriber, shared by every scorer instance built from one config and
+    kept across reloads with the same parameters; released (subscriber stopped) when the
+    installed config no longer has them."""
 
     def __init__(self, config: PreciseConfig, index: PreciseIndex, subscriber: KVEventSubscriber | None) -> None:
         self.config = config
         self.index = index
         self.subscriber = subscriber
 
-    def ensure_started(self) -> None:
-        """Start the subscriber on the running loop (plugins may be built before one exists)."""
-        if self.subscriber is not None and not self.subscriber.started:
+    def start(self) -> None:
+        """Start the subscriber on the running loop (a second call does nothing)."""
+        if self.subscriber is not None:
             self.subscriber.start()
 
-    def retire(self) -> None:
-        """Stop the subscriber of a replaced runtime (in the background when a loop runs)."""
-        subscriber = self.subscriber
-        if subscriber is None or not subscriber.started:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            log.warning("precise index replaced outside the event loop; its subscriber is left running")
-            return
-        loop.create_task(subscriber.stop())
+    async def close(self) -> None:
+        """Stop the subscriber and detach it from the datastore."""
+        if self.subscriber is not None:
+            await self.subscriber.stop()
 
 
 class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
@@ -148,26 +141,28 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
         self._capacities: dict[str, int] = {}
 
     def start(self) -> None:
-        self.runtime.ensure_started()
+        self.runtime.start()
+
+    async def stop(self) -> None:
+        """Nothing of the plugin's own: the subscriber belongs to the shared runtime, which stops
+        when the installed config no longer uses it (or the server stops)."""
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
         config, effective = PreciseConfig.parse(parameters)
-        holder: dict[str, PreciseRuntime] = handle.persistent(_SHARED_KEY, dict)
-        runtime = holder.get("runtime")
-        if runtime is None or runtime.config != config:
-            if runtime is not None:
-                runtime.retire()
+        datastore = handle.datastore
+
+        def create_runtime() -> PreciseRuntime:
             index = PreciseIndex(
                 config.block_size,
                 weights=config.weights,
                 speculative_ttl=config.speculative_ttl,
                 default_capacity=config.capacity,
             )
-            subscriber = None
-            if handle.datastore is not None:
-                subscriber = KVEventSubscriber(index, handle.datastore, config.subscriber)
-            runtime = holder["runtime"] = PreciseRuntime(config, index, subscriber)
+            subscriber = None if datastore is None else KVEventSubscriber(index, datastore, config.subscriber)
+            return PreciseRuntime(config, index, subscriber)
+
+        runtime = handle.persistent(f"{_RUNTIME_KEY}:{config!r}", create_runtime, PreciseRuntime.close)
         scorer = cls(name, runtime)
         scorer.parameters = effective
         return scorer
@@ -175,7 +170,6 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         """Match the request once, before scoring, so that other plugins (the TTFT cost model)
         can use what the engines really hold: `{address: cached prompt tokens}`."""
-        self.runtime.ensure_started()
         hashes = self.block_hashes(cycle_state)
         if not hashes:
             return
@@ -189,7 +183,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
     def score(
         self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[float]:
-        scores = cycle_state.get(_SCORES_KEY)
+        scores = cycle_state.read(_SCORES_KEY)
         if scores is None or len(scores) != len(candidates):  # no prompt blocks, or filters ran since
             hashes = self.block_hashes(cycle_state)
             if not hashes:
@@ -205,19 +199,19 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
         if not hashes:
             return
         address = targets[0].address
-        blocks = result.cycle_state.get(PROMPT_BLOCKS_KEY)
-        if isinstance(blocks, PromptBlocks) and blocks.token_ids is not None:
+        blocks = result.cycle_state.read(PROMPT_BLOCKS_KEY)
+        if blocks is not None and blocks.token_ids is not None:
             self.index.record_scope(address, blocks.token_ids, request.target_model, request.cache_salt, request.tenant)
         self.index.insert_speculative(address, hashes)
 
-    def block_hashes(self, cycle_state: CycleState) -> Sequence[int]:
+    def block_hashes(self, cycle_state: CycleState) -> tuple[int, ...]:
         """The request's token-block hashes at the index's block size (computed at most once)."""
-        cached = cycle_state.get(_HASHES_KEY)
+        cached = cycle_state.read(_HASHES_KEY)
         if cached is not None:
             return cached
-        blocks = cycle_state.get(PROMPT_BLOCKS_KEY)
-        hashes: Sequence[int] = ()
-        if isinstance(blocks, PromptBlocks) and blocks.kind == TOKENS:
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        hashes: tuple[int, ...] = ()
+        if blocks is not None and blocks.kind == TOKENS:
             size = self.index.block_size
             if blocks.block_tokens == size:
                 hashes = blocks.hashes
@@ -226,7 +220,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
                 hashed = len(blocks.hashes) * blocks.block_tokens
                 if len(tokens) >= hashed + blocks.block_tokens:  # the producer stopped at its block cap
                     tokens = tokens[:hashed]
-                hashes = token_block_hashes(tokens, size, blocks.seed)
+                hashes = tuple(token_block_hashes(tokens, size, blocks.seed))
         cycle_state[_HASHES_KEY] = hashes
         return hashes
 
@@ -241,6 +235,3 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
                 capacities[c.address] = blocks
                 engine_size = c.metrics.cache_block_size or size
                 self.index.set_capacity(c.address, 2 * -(-blocks * engine_size // size))
-
-
-register(PreciseScorer.plugin_type, PreciseScorer.create)

@@ -44,7 +44,7 @@ from picker.kvevents.decode import (
     decode_message,
     decode_seq,
 )
-from picker.prefix.precise import PreciseIndex
+from picker.kvevents.precise import PreciseIndex
 from picker.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,6 @@ class KVEventSubscriber:
         self._feeds: dict[str, _Feed] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
-        self._listening = False  # the datastore has no way to remove a listener: add it once
 
     @property
     def started(self) -> bool:
@@ -109,14 +108,15 @@ class KVEventSubscriber:
         self._loop = asyncio.get_running_loop()
         if self._context is None:
             self._context = zmq.asyncio.Context()
-        if not self._listening:
-            self.datastore.add_listener(self._on_endpoints)
-            self._listening = True
+        self.datastore.add_listener(self._on_endpoints)
         self._on_endpoints({}, self.datastore.endpoints())
 
     async def stop(self) -> None:
-        """Close every subscription; the datastore listener goes inert until `start` again."""
+        """Close every subscription and stop following the datastore."""
+        if not self._started:
+            return
         self._started = False
+        self.datastore.remove_listener(self._on_endpoints)
         feeds, self._feeds = list(self._feeds.values()), {}
         for feed in feeds:
             feed.task.cancel()
@@ -260,7 +260,9 @@ class _Feed:
         """Check one message's sequence number, recover what is missing, apply it."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self._decode_errors.inc()
-            log.warning("kv events: %s sent a message of %d frames, not [topic, seq, payload]", self.endpoint, len(frames))
+            log.warning(
+                "kv events: %s sent a message of %d frames, not [topic, seq, payload]", self.endpoint, len(frames)
+            )
             return
         seq = decode_seq(frames[1])
         message: EventMessage | None = None
@@ -402,20 +404,20 @@ def _contiguous_tail(messages: list[tuple[int, bytes]], stop: int) -> list[tuple
 
 def _drop_metrics(endpoint: str) -> None:
     """Forget a departed endpoint's metric series, so pod churn does not grow them forever."""
-    series = [
-        (metrics.KV_EVENTS, (endpoint, t)) for t in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")
-    ] + [
-        (metrics.KV_EVENT_REPLAYS, (endpoint, o)) for o in ("complete", "incomplete", "failed")
-    ] + [
-        (m, (endpoint,))
-        for m in (
-            metrics.KV_EVENT_GAPS,
-            metrics.KV_EVENT_DECODE_ERRORS,
-            metrics.KV_EVENT_PUBLISHER_RESTARTS,
-            metrics.KV_BLOCKS_EVICTED,
-            metrics.KV_STATE_KNOWN,
-        )
-    ]
+    series = (
+        [(metrics.KV_EVENTS, (endpoint, t)) for t in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown")]
+        + [(metrics.KV_EVENT_REPLAYS, (endpoint, o)) for o in ("complete", "incomplete", "failed")]
+        + [
+            (m, (endpoint,))
+            for m in (
+                metrics.KV_EVENT_GAPS,
+                metrics.KV_EVENT_DECODE_ERRORS,
+                metrics.KV_EVENT_PUBLISHER_RESTARTS,
+                metrics.KV_BLOCKS_EVICTED,
+                metrics.KV_STATE_KNOWN,
+            )
+        ]
+    )
     for metric, labels in series:
         try:
             metric.remove(*labels)

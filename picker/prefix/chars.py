@@ -13,7 +13,7 @@ from struct import Struct
 import orjson
 import xxhash
 
-from picker.request.model import Api, InferenceRequest
+from picker.framework.request import Api, InferenceRequest
 
 CHARS_PER_TOKEN = 4
 _UINT64_LE = Struct("<Q")

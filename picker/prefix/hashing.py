@@ -8,7 +8,7 @@ onto them through the events' token ids, so the engine's hash algorithm never ma
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

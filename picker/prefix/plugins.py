@@ -1,4 +1,4 @@
-"""Prefix-cache routing plugins (registered with the scheduling registry on import).
+"""Prefix-cache routing plugins (listed in `picker.plugins`).
 
 * `approx-prefix-cache-producer` (DataProducer, PreRequest, ResponseComplete): hashes the
   prompt once per request (token blocks when the model has a tokenizer, else the reference's
@@ -11,9 +11,9 @@
 * `cache-fit-scorer` (no parameters): 1 where the prompt fits beside the endpoint's recently
   reused blocks, 0 where it would evict them.
 
-Tokenizing can take milliseconds, so the producer also has `prepare_async(request,
-candidates)`: the Director awaits it before `Scheduler.schedule`; it tokenizes in a thread
-pool and leaves the result for `prepare`, which otherwise hashes in the calling thread.
+Tokenizing can take milliseconds, so the producer's `prepare_async` tokenizes in a thread pool
+and leaves the blocks in the request's CycleState for `prepare`, which otherwise hashes in the
+calling thread.
 
 Example (`tokenizers` and `ttft-cost-scorer` are the picker's own; reference configs keep their meaning)::
 
@@ -29,13 +29,25 @@ Example (`tokenizers` and `ttft-cost-scorer` are the picker's own; reference con
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import Endpoint, EndpointState
+from picker.framework.cycle_state import CycleState, StateKey
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.plugin import (
+    DataProducer,
+    PreRequest,
+    ResponseComplete,
+    SchedulingResult,
+    Scorer,
+    ScorerCategory,
+)
+from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.hotspot import over_bound
 from picker.prefix.index import DEFAULT_LRU_CAPACITY, DEFAULT_REUSE_WINDOW_S, PrefixIndex
@@ -43,19 +55,6 @@ from picker.prefix.prompt_blocks import TOKENS, BlockSizing, PromptBlocks, Promp
 from picker.prefix.token_cache import DEFAULT_CAPACITY_TOKENS, TokenPrefixCache
 from picker.prefix.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from picker.prefix.ttft import TtftEstimate, TtftModel, TtftPriors, ttft_scores
-from picker.request.model import InferenceRequest, ResponseOutcome
-from picker.scheduling.framework import (
-    CycleState,
-    DataProducer,
-    Handle,
-    PreRequest,
-    ResponseComplete,
-    SchedulingResult,
-    Scorer,
-    ScorerCategory,
-)
-from picker.scheduling.parameters import Parameters
-from picker.scheduling.registry import PluginConfigError, register
 from picker.scheduling.scorers import ParameterlessScorer
 from picker.telemetry.metrics import (
     PREFIX_EXPECTED_CACHED_TOKENS,
@@ -70,18 +69,14 @@ from picker.telemetry.metrics import (
 )
 
 if TYPE_CHECKING:
-    from picker.datastore.store import Datastore
+    from picker.datastore.store import Datastore, EndpointListener
 
-PREFIX_MATCH_KEY = "PrefixCacheMatchInfo"
-PROMPT_BLOCKS_KEY = "PromptBlocks"
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
 # {address: prompt tokens an engine reported cached}, from the KV-event (precise) index when one
 # is configured; the TTFT model prefers it to the approximate index's guess.
-ENGINE_CACHED_TOKENS_KEY = "EngineCachedTokens"
-_PICK_KEY = "approx-prefix-cache-producer/pick"
+ENGINE_CACHED_TOKENS_KEY = StateKey("EngineCachedTokens", dict)
 PREFILL_PROFILE = "prefill"
-_PENDING_LIMIT = 4096  # async results awaiting their prepare(); bounded if a cycle never runs
 
 # Objects that outlive config reloads (Handle.persistent keys).
 _INDEX_KEY = "prefix/approx-index"
@@ -131,6 +126,23 @@ class PrefixMatch:
     def score(self, address: str) -> float:
         total = self.total_blocks
         return self.matched_blocks(address) / total if total else 0.0
+
+
+PREFIX_MATCH_KEY = StateKey("PrefixCacheMatchInfo", PrefixMatch)
+PROMPT_BLOCKS_KEY = StateKey("PromptBlocks", PromptBlocks)
+# Set once prepare_async has hashed the prompt (blocks or none), so prepare does not hash again.
+_HASHED_KEY = StateKey("approx-prefix-cache-producer/hashed", bool)
+
+
+class Pick(NamedTuple):
+    """What the producer expected at pick time; the response teaches the TTFT model with it."""
+
+    address: str
+    expected_cached_tokens: int
+    work_ahead: float
+
+
+_PICK_KEY = StateKey("approx-prefix-cache-producer/pick", Pick)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +198,7 @@ def _tokenizer_specs(raw: Mapping[str, Any]) -> dict[str, str]:
     specs: dict[str, str] = {}
     for model, spec in raw.items():
         if not isinstance(spec, str) or not spec:
-            raise PluginConfigError(
-                f'tokenizers.{model}: must be "builtin" or a tokenizer directory, got {spec!r}'
-            )
+            raise PluginConfigError(f'tokenizers.{model}: must be "builtin" or a tokenizer directory, got {spec!r}')
         specs[str(model)] = spec
     return specs
 
@@ -229,7 +239,6 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         self.index = index
         self.hasher = hasher
         self.ttft = ttft
-        self._pending: OrderedDict[int, PromptBlocks | None] = OrderedDict()  # by id(request): request ids come from clients and may repeat
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
@@ -239,7 +248,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             try:
                 tokenizers[model] = handle.persistent(
                     f"prefix/tokenizer:{spec}",
-                    lambda spec=spec: load_prompt_tokenizer(spec),
+                    partial(load_prompt_tokenizer, spec),
                 )
             except ValueError as error:
                 raise PluginConfigError(f"tokenizers.{model}: {error}") from None
@@ -254,6 +263,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             handle.persistent(
                 f"{index_key}/listener",
                 lambda: _forget_departed(datastore, index, ttft),
+                datastore.remove_listener,
             )
         cache = handle.persistent(
             f"{_TOKEN_CACHE_KEY}:{config.token_cache_tokens}",
@@ -262,6 +272,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         executor = handle.persistent(
             _EXECUTOR_KEY,
             lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
+            lambda executor: executor.shutdown(wait=False, cancel_futures=True),
         )
         producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft)
         producer.parameters = effective
@@ -269,14 +280,16 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
 
     # -- request path ----------------------------------------------------------------------
 
-    async def prepare_async(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+    async def prepare_async(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> None:
         """Tokenize off the event loop ahead of `prepare` (a no-op when nothing is tokenized)."""
         if not self.hasher.needs_tokenizing(request):
             return
         blocks = await self.hasher.hash_async(request, self.config.sizing(candidates))
-        self._pending[id(request)] = blocks
-        while len(self._pending) > _PENDING_LIMIT:
-            self._pending.popitem(last=False)
+        if blocks is not None:
+            cycle_state[PROMPT_BLOCKS_KEY] = blocks
+        cycle_state[_HASHED_KEY] = True
 
     def prepare(
         self,
@@ -284,9 +297,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         candidates: Sequence[EndpointState],
         cycle_state: CycleState,
     ) -> None:
-        if id(request) in self._pending:
-            blocks = self._pending.pop(id(request))
-        else:
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        if blocks is None and not cycle_state.read(_HASHED_KEY):
             blocks = self.hasher.hash(request, self.config.sizing(candidates))
         if blocks is None:
             return
@@ -302,8 +314,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             PREFIX_INDEXER_HIT_BYTES.observe(best * blocks.block_tokens * CHARS_PER_TOKEN)
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
-        match = result.cycle_state.get(PREFIX_MATCH_KEY)
-        if not isinstance(match, PrefixMatch) or not result.targets:
+        match = result.cycle_state.read(PREFIX_MATCH_KEY)
+        if match is None or not result.targets:
             return
         blocks = match.blocks
         target = result.targets[0]
@@ -319,7 +331,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             )
         # Remember what was expected at pick time; the response teaches the TTFT model.
         work_ahead = self.ttft.work_ahead(target)
-        result.cycle_state[_PICK_KEY] = (target.address, expected, work_ahead)
+        result.cycle_state[_PICK_KEY] = Pick(target.address, expected, work_ahead)
         self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
         targets = [target]
         prefill = result.profile_results.get(PREFILL_PROFILE)
@@ -335,7 +347,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         result: SchedulingResult,
         outcome: ResponseOutcome,
     ) -> None:
-        pick = result.cycle_state.get(_PICK_KEY)
+        pick = result.cycle_state.read(_PICK_KEY)
         usage = outcome.usage
         if pick is None or usage is None or usage.prompt_tokens <= 0:
             return
@@ -347,9 +359,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         PREFIX_PROMPT_TOKENS.labels(model, address).inc(usage.prompt_tokens)
         PREFIX_EXPECTED_CACHED_TOKENS.labels(model, address).inc(min(expected, usage.prompt_tokens))
         PREFIX_SAVED_PREFILL_TOKENS.labels(model, address).inc(cached)
-        PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(
-            cached / self.ttft.prefill_rate(address)
-        )
+        PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(cached / self.ttft.prefill_rate(address))
         if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
             self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
             result.cycle_state.explain()[OBSERVED_TTFT] = {
@@ -371,8 +381,9 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         return capacity - index.reused_blocks(state.address)
 
 
-def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) -> bool:
-    """Make `index` and `ttft` forget endpoints as they leave the pool (registered once)."""
+def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) -> EndpointListener:
+    """Make `index` and `ttft` forget endpoints as they leave the pool; the listener is returned
+    so that releasing the index removes it."""
 
     def forget(old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
         departed = old.keys() - new.keys()
@@ -382,7 +393,7 @@ def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) 
             PREFIX_INDEXER_SIZE.set(len(index))
 
     datastore.add_listener(forget)
-    return True
+    return forget
 
 
 class PrefixCacheScorer(ParameterlessScorer):
@@ -398,8 +409,8 @@ class PrefixCacheScorer(ParameterlessScorer):
         cycle_state: CycleState,
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
-        match = cycle_state.get(PREFIX_MATCH_KEY)
-        if not isinstance(match, PrefixMatch):
+        match = cycle_state.read(PREFIX_MATCH_KEY)
+        if match is None:
             return [0.0] * len(candidates)
         return [match.score(c.address) for c in candidates]
 
@@ -426,8 +437,8 @@ class CacheFitScorer(ParameterlessScorer):
         cycle_state: CycleState,
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
-        match = cycle_state.get(PREFIX_MATCH_KEY)
-        if not isinstance(match, PrefixMatch):
+        match = cycle_state.read(PREFIX_MATCH_KEY)
+        if match is None:
             return [1.0] * len(candidates)
         return [1.0 if match.fits(c) else 0.0 for c in candidates]
 
@@ -458,12 +469,8 @@ class TtftCostScorer(Scorer):
         p = Parameters(parameters)
         defaults = TtftPriors()
         priors = TtftPriors(
-            prefill_tokens_per_second=p.number(
-                "prefillTokensPerSecond", defaults.prefill_tokens_per_second, above=0
-            ),
-            drain_tokens_per_second=p.number(
-                "drainTokensPerSecond", defaults.drain_tokens_per_second, above=0
-            ),
+            prefill_tokens_per_second=p.number("prefillTokensPerSecond", defaults.prefill_tokens_per_second, above=0),
+            drain_tokens_per_second=p.number("drainTokensPerSecond", defaults.drain_tokens_per_second, above=0),
             overhead_seconds=p.number("overheadSeconds", defaults.overhead_seconds, at_least=0),
             typical_prompt_tokens=p.number("typicalPromptTokens", defaults.typical_prompt_tokens, at_least=0),
             ewma_alpha=p.number("ewmaAlpha", defaults.ewma_alpha, above=0, at_most=1),
@@ -482,9 +489,9 @@ class TtftCostScorer(Scorer):
         cycle_state: CycleState,
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
-        match = cycle_state.get(PREFIX_MATCH_KEY)
-        engine_cached = cycle_state.get(ENGINE_CACHED_TOKENS_KEY)
-        if isinstance(match, PrefixMatch):
+        match = cycle_state.read(PREFIX_MATCH_KEY)
+        engine_cached = cycle_state.read(ENGINE_CACHED_TOKENS_KEY)
+        if match is not None:
             prompt_tokens = match.blocks.prompt_tokens
             if engine_cached is not None:
                 cached = [engine_cached.get(c.address, 0) for c in candidates]
@@ -499,13 +506,3 @@ class TtftCostScorer(Scorer):
         predicted: dict[str, TtftEstimate] = cycle_state.explain().setdefault(PREDICTED_TTFT, {})
         predicted.update((c.address, e) for c, e in zip(candidates, estimates))
         return ttft_scores(estimates)
-
-
-register(
-    ApproxPrefixCacheProducer.plugin_type,
-    ApproxPrefixCacheProducer.create,
-    default_producer_for=frozenset({PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY}),
-)
-register(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create)
-register(TtftCostScorer.plugin_type, TtftCostScorer.create)
-register(CacheFitScorer.plugin_type, CacheFitScorer.create)

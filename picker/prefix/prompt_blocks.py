@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from picker.framework.request import InferenceRequest
 from picker.prefix.chars import (
     CHARS_PER_TOKEN,
     char_block_hashes,
@@ -24,7 +25,6 @@ from picker.prefix.chars import (
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.prefix.token_cache import TokenizePlan, TokenPrefixCache
 from picker.prefix.tokenizer import PromptTokenizer, prompt_text
-from picker.request.model import InferenceRequest
 from picker.telemetry.metrics import PREFIX_TOKENIZE_SEGMENTS
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class PromptHasher:
             return None
         try:
             source = prompt_text(tokenizer, request)
-        except Exception as error:  # noqa: BLE001 - a template may reject a conversation
+        except Exception as error:
             # Hash characters for this request instead.
             log.debug("chat template failed for request %s: %s", request.request_id, error)
             return None
@@ -166,7 +166,7 @@ class PromptHasher:
         )
 
     @staticmethod
-    def _token_blocks(request: InferenceRequest, tokens: array, sizing: BlockSizing) -> PromptBlocks:
+    def _token_blocks(request: InferenceRequest, tokens: array[int], sizing: BlockSizing) -> PromptBlocks:
         seed = chain_seed(request.target_model, request.cache_salt, request.tenant)
         block = sizing.token_block_size
         hashed = tokens if sizing.max_token_blocks <= 0 else tokens[: sizing.max_token_blocks * block]

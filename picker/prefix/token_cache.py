@@ -75,7 +75,7 @@ class TokenizePlan:
     add_special_tokens: bool
     keys: list[int]
     segments: list[str]
-    cached: list[array | None]
+    cached: list[array[int] | None]
     missing: list[int] = field(default_factory=list)  # indexes into segments
     verify: bool = False  # also tokenize the whole text and compare
 
@@ -100,7 +100,7 @@ class TokenPrefixCache:
         self.capacity_tokens = capacity_tokens
         self.segment_chars = segment_chars
         self.verify_first = verify_first
-        self._segments: OrderedDict[int, array] = OrderedDict()
+        self._segments: OrderedDict[int, array[int]] = OrderedDict()
         self._tokens = 0
         self._verified: dict[str, int] = {}
         self._unsplittable: set[str] = set()
@@ -129,7 +129,7 @@ class TokenPrefixCache:
             h = digest(segment.encode("utf-8", "surrogatepass"), seed=h)
             keys.append(h)
         cache = self._segments
-        cached: list[array | None] = []
+        cached: list[array[int] | None] = []
         missing: list[int] = []
         for i, key in enumerate(keys):
             tokens = cache.get(key)
@@ -138,9 +138,7 @@ class TokenPrefixCache:
             else:
                 cache.move_to_end(key)
             cached.append(tokens)
-        verify = (
-            len(segments) > 1 and bool(missing) and self._verified.get(tokenizer.key, 0) < self.verify_first
-        )
+        verify = len(segments) > 1 and bool(missing) and self._verified.get(tokenizer.key, 0) < self.verify_first
         return TokenizePlan(tokenizer, text, add_special_tokens, keys, segments, cached, missing, verify)
 
     @staticmethod
@@ -153,7 +151,7 @@ class TokenPrefixCache:
             return encoded[:-1], encoded[-1]
         return (plan.tokenizer.encode_batch(texts) if texts else []), None
 
-    def complete(self, plan: TokenizePlan, encoded: list[list[int]], whole: list[int] | None) -> array:
+    def complete(self, plan: TokenizePlan, encoded: list[list[int]], whole: list[int] | None) -> array[int]:
         """Store the new segments and assemble the text's token ids (uint32)."""
         tokenizer = plan.tokenizer
         self.hits += len(plan.segments) - len(plan.missing)
@@ -162,7 +160,8 @@ class TokenPrefixCache:
             plan.cached[i] = array("I", ids)
         content = array("I")
         for part in plan.cached:
-            content += part  # type: ignore[operator]
+            assert part is not None  # every missing segment was filled in just above
+            content += part
         if whole is not None:
             self._verified[tokenizer.key] = self._verified.get(tokenizer.key, 0) + 1
             if content != array("I", whole):
@@ -175,7 +174,7 @@ class TokenPrefixCache:
         self._store(plan)
         return _with_specials(tokenizer, content, plan.add_special_tokens)
 
-    def tokenize(self, tokenizer: PromptTokenizer, text: str, add_special_tokens: bool) -> array:
+    def tokenize(self, tokenizer: PromptTokenizer, text: str, add_special_tokens: bool) -> array[int]:
         """Plan, encode and complete in the calling thread."""
         plan = self.plan(tokenizer, text, add_special_tokens)
         encoded, whole = self.encode(plan)
@@ -196,7 +195,7 @@ class TokenPrefixCache:
             self._tokens -= len(evicted)
 
 
-def _with_specials(tokenizer: PromptTokenizer, content: array, add_special_tokens: bool) -> array:
+def _with_specials(tokenizer: PromptTokenizer, content: array[int], add_special_tokens: bool) -> array[int]:
     if not add_special_tokens or not (tokenizer.special_prefix or tokenizer.special_suffix):
         return content
     tokens = array("I", tokenizer.special_prefix)

@@ -1,7 +1,7 @@
 """Tokenizers the router uses for token-exact prefix hashing, one per served model.
 
-A model's tokenizer is either `builtin` (the simulator's word-level tokenizer and chat
-rendering, `picker.sim.tokenizer`) or a local Hugging Face tokenizer directory loaded with
+A model's tokenizer is either `builtin` (the word-level tokenizer and chat rendering the
+simulator uses too, `picker.prefix.builtin_tokenizer`) or a local Hugging Face tokenizer directory loaded with
 `transformers.AutoTokenizer`. Prompts are turned into token ids the way vLLM does it:
 
 * chat: `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)` (plus the
@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from picker.request.model import Api, InferenceRequest
+from picker.framework.request import Api, InferenceRequest
+from picker.prefix import builtin_tokenizer
 
 
 class PromptTokenizer(Protocol):
@@ -55,17 +56,16 @@ def prompt_text(tokenizer: PromptTokenizer, request: InferenceRequest) -> Prompt
 
 
 class BuiltinPromptTokenizer:
-    """The simulator's built-in word-level tokenizer and chat rendering."""
+    """The built-in word-level tokenizer and chat rendering (`builtin_tokenizer`), which the
+    simulator's engines use too."""
 
     key = "builtin"
     special_prefix: tuple[int, ...] = ()
     special_suffix: tuple[int, ...] = ()
 
     def __init__(self) -> None:
-        from picker.sim import tokenizer as builtin  # the simulator owns the definition
-
-        self._encode = builtin.encode
-        self._render = builtin.render_chat
+        self._encode = builtin_tokenizer.encode
+        self._render = builtin_tokenizer.render_chat
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         encode = self._encode
@@ -88,7 +88,7 @@ class HuggingFacePromptTokenizer:
             raise ValueError("a tokenizer directory needs `pip install transformers tokenizers`") from None
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as error:  # noqa: BLE001 - transformers raises many types for a bad directory
+        except Exception as error:
             raise ValueError(f"cannot load tokenizer from {path!r}: {error}") from None
         backend = getattr(self._tokenizer, "backend_tokenizer", None)
         if backend is None:

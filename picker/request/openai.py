@@ -8,15 +8,16 @@ input is a `RequestError` (400) naming the offending field; nothing else escapes
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from functools import lru_cache
 from itertools import chain
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 import xxhash
 
+from picker.framework.request import Api, InferenceRequest, Message
 from picker.request.errors import RequestError, bad_request
-from picker.request.model import Api, InferenceRequest, Message
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
@@ -294,9 +295,10 @@ def _content_part(part: Any, message_index: int, index: int) -> str:
         reference = _canonical_json(part, f"messages[{message_index}].content[{index}]")
     else:
         media = part.get(kind)
-        reference = media.get(key) if isinstance(media, dict) else None
-        if not isinstance(reference, str):
+        value = media.get(key) if isinstance(media, dict) else None
+        if not isinstance(value, str):
             raise _field_error(f"messages[{message_index}].content[{index}].{kind}.{key}", "must be a string")
+        reference = value
     if len(reference) > _MAX_REFERENCE_CHARS:
         reference = "xxh3-128:" + xxhash.xxh3_128_hexdigest(reference.encode())
     return f"<{kind}:{reference}>"

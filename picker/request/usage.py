@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from picker.request.model import Usage
+from picker.framework.request import Usage
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 
@@ -69,7 +69,7 @@ class SseUsageScanner:
     `max_line_bytes` is dropped whole (however it was chunked). Lines end at LF or CRLF.
     """
 
-    __slots__ = ("_max_line_bytes", "_pending", "_discarding", "_usage")
+    __slots__ = ("_discarding", "_max_line_bytes", "_pending", "_usage")
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
         self._max_line_bytes = max_line_bytes

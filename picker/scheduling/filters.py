@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from picker.datastore.endpoint import EndpointState
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import CycleState, Filter, Handle
-from picker.scheduling.parameters import Parameters
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters
+from picker.framework.plugin import Filter
+from picker.framework.request import InferenceRequest
 
 TEST_ENDPOINT_SELECTION_HEADER = "test-epp-endpoint-selection"
 

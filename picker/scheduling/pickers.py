@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from picker.datastore.endpoint import EndpointState
-from picker.scheduling.framework import CycleState, Handle, Picker
-from picker.scheduling.parameters import Parameters
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters
+from picker.framework.plugin import Picker
 
 
 class _CountedPicker(Picker):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters
+from picker.framework.plugin import ProfileHandler, ProfileRunResult, SchedulingResult
+from picker.framework.request import InferenceRequest
 from picker.request.errors import RequestError
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import CycleState, Handle, ProfileHandler, ProfileRunResult, SchedulingResult
-from picker.scheduling.parameters import Parameters
 
 
 class SingleProfileHandler(ProfileHandler):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from picker.datastore.endpoint import EndpointState
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import CycleState, Filter, Handle, SaturationDetector
-from picker.scheduling.parameters import Parameters
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters
+from picker.framework.plugin import Filter, SaturationDetector
+from picker.framework.request import InferenceRequest
 
 
 class UtilizationDetector(SaturationDetector, Filter):

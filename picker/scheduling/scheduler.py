@@ -1,4 +1,7 @@
-"""The scheduler: data producers, then profiles (filters → weighted scorers → picker).
+"""The scheduler: runs the profiles (filters → weighted scorers → picker) of one request.
+
+Data producers have run before (the director prepares the request's CycleState); the scheduler
+only chooses among candidates.
 
 Every plugin call is timed with `time.perf_counter` into the reference's
 `inference_extension_plugin_duration_seconds`, and the whole cycle into
@@ -9,28 +12,30 @@ construction so a decision pays only for `observe`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Histogram
 
 from picker.datastore.endpoint import EndpointState
-from picker.request.errors import RequestError
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import (
-    CycleState,
-    DataProducer,
+from picker.framework.cycle_state import CycleState
+from picker.framework.plugin import (
     Filter,
     Picker,
     Plugin,
     ProfileHandler,
     ProfileRunResult,
-    Scorer,
     SchedulingResult,
+    Scorer,
 )
+from picker.framework.request import InferenceRequest
+from picker.request.errors import RequestError
 from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_ATTEMPTS, SCHEDULER_E2E
 
 if TYPE_CHECKING:
-    from picker.scheduling.decisions import DecisionLog
+    from picker.telemetry.decisions import DecisionLog
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ log = logging.getLogger(__name__)
 PLUGIN_TIMING_SAMPLE = 8
 
 
-def _timer(extension_point: str, plugin: Plugin):  # noqa: ANN202 - a prometheus child histogram
+def _timer(extension_point: str, plugin: Plugin) -> Histogram:
     return PLUGIN_DURATION.labels(extension_point, plugin.plugin_type, plugin.name)
 
 
@@ -66,14 +71,17 @@ class SchedulerProfile:
         self._picker_timer = _timer("Picker", picker)
 
     def run(
-        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState],
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        candidates: Sequence[EndpointState],
         timed: bool = True,
     ) -> ProfileRunResult | None:
         """The profile's targets, or None when the filters leave no candidate; `timed`
         records each plugin's duration."""
-        for plugin, timer in self._filter_steps:
+        for filter_, timer in self._filter_steps:
             started = perf_counter()
-            candidates = plugin.filter(request, cycle_state, candidates)
+            candidates = filter_.filter(request, cycle_state, candidates)
             if timed:
                 timer.observe(perf_counter() - started)
             if not candidates:
@@ -81,16 +89,16 @@ class SchedulerProfile:
         candidates = tuple(candidates)
         totals = [0.0] * len(candidates)
         scores: dict[str, Sequence[float]] = {}
-        for plugin, weight, timer in self._scorer_steps:
+        for scorer, weight, timer in self._scorer_steps:
             started = perf_counter()
-            raw = plugin.score(request, cycle_state, candidates)
+            raw = scorer.score(request, cycle_state, candidates)
             if timed:
                 timer.observe(perf_counter() - started)
             if len(raw) != len(candidates):
                 raise RuntimeError(
-                    f"scorer {plugin.name!r} returned {len(raw)} scores for {len(candidates)} candidates"
+                    f"scorer {scorer.name!r} returned {len(raw)} scores for {len(candidates)} candidates"
                 )
-            scores[plugin.name] = raw
+            scores[scorer.name] = raw
             totals = [
                 total + (0.0 if score < 0.0 else 1.0 if score > 1.0 else score) * weight
                 for total, score in zip(totals, raw)
@@ -109,15 +117,12 @@ class Scheduler:
         self,
         profile_handler: ProfileHandler,
         profiles: Sequence[SchedulerProfile],
-        producers: Sequence[DataProducer] = (),
         decision_log: DecisionLog | None = None,
     ) -> None:
         self.profile_handler = profile_handler
         self.profiles = {p.name: p for p in profiles}
-        self.producers = tuple(producers)
         self.decision_log = decision_log
         self._profile_names = tuple(self.profiles)
-        self._producer_steps = tuple((p, _timer("PrepareData", p)) for p in self.producers)
         self._handler_timer = _timer("ProfileHandler", profile_handler)
         self._attempts: dict[tuple[str, str], Any] = {}  # (status, model) → counter child
         self._cycles = 0
@@ -129,8 +134,20 @@ class Scheduler:
             child = self._attempts[key] = SCHEDULER_ATTEMPTS.labels(status, model)
         child.inc()
 
-    def schedule(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
-        """Choose targets for `request` among `candidates`.
+    def next_cycle_timed(self) -> bool:
+        """Whether the next cycle's plugin durations are recorded (one in PLUGIN_TIMING_SAMPLE);
+        the director asks once per request, so its hooks are timed for the same requests."""
+        self._cycles += 1
+        return self._cycles % PLUGIN_TIMING_SAMPLE == 0
+
+    def schedule(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState,
+        timed: bool = False,
+    ) -> SchedulingResult:
+        """Choose targets for `request` among `candidates`; `timed` records each plugin's time.
 
         Raises `RequestError`: ServiceUnavailable (503) when there are no candidates at all,
         ResourceExhausted (429) when the filters leave none.
@@ -139,10 +156,6 @@ class Scheduler:
         try:
             if not candidates:
                 raise RequestError("ServiceUnavailable", "no endpoints available to serve the request")
-            cycle_state = CycleState()
-            self._cycles += 1
-            timed = self._cycles % PLUGIN_TIMING_SAMPLE == 0
-            self._prepare(request, candidates, cycle_state, timed)
             result = self._run_profiles(request, cycle_state, candidates, timed)
         except RequestError:
             self._count_attempt("failure", request.target_model)
@@ -152,20 +165,6 @@ class Scheduler:
         if self.decision_log is not None:
             self.decision_log.record(request, result)
         return result
-
-    def _prepare(
-        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState, timed: bool
-    ) -> None:
-        # As in the reference, a failing producer is logged and does not fail the request;
-        # its consumers then find no data and score 0.
-        for producer, timer in self._producer_steps:
-            started = perf_counter()
-            try:
-                producer.prepare(request, candidates, cycle_state)
-            except Exception:
-                log.exception("data producer %s failed for request %s", producer.name, request.request_id)
-            if timed:
-                timer.observe(perf_counter() - started)
 
     def _run_profiles(
         self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState], timed: bool

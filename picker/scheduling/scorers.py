@@ -16,12 +16,15 @@ semantics apply unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from picker.datastore.endpoint import EndpointState
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import CycleState, Handle, Scorer, ScorerCategory
-from picker.scheduling.parameters import Parameters
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters
+from picker.framework.plugin import Scorer, ScorerCategory
+from picker.framework.request import InferenceRequest
 
 
 def min_max_scores(loads: Sequence[float]) -> list[float]:

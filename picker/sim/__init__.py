@@ -21,10 +21,12 @@ Library use (inside a test's event loop)::
     finally:
         await fleet.stop()
 
-`Fleet` is also an async context manager. Modules: `tokenizer` (built-in word-level tokenizer and
-chat template, importable by the router side), `kvcache` (block pool, chained block hashes, KV
-events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
-`events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`.
+`Fleet` is also an async context manager. Modules: `kvcache` (block pool, chained block hashes,
+KV events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
+`events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`. The
+built-in tokenizer is `picker.prefix.builtin_tokenizer`, shared with the router.
+
+May import: prefix (the built-in tokenizer). Serving code never imports the simulator.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Fleet", "FleetConfig", "Faults", "Pod"]
-_HOMES = {"Fleet": "picker.sim.fleet", "FleetConfig": "picker.sim.fleet", "Faults": "picker.sim.faults", "Pod": "picker.sim.pod"}
+__all__ = ["Faults", "Fleet", "FleetConfig", "Pod"]
+_HOMES = {
+    "Fleet": "picker.sim.fleet",
+    "FleetConfig": "picker.sim.fleet",
+    "Faults": "picker.sim.faults",
+    "Pod": "picker.sim.pod",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `from picker.sim.tokenizer import encode` does not import aiohttp and zmq.
+    # Lazy, so importing one module (e.g. `picker.sim.kvcache`) does not import aiohttp and zmq.
     if name in _HOMES:
         return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'picker.sim' has no attribute {name!r}")

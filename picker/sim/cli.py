@@ -73,18 +73,36 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
     if args.max_loras < 0:
         raise ValueError("--max-loras must not be negative")
     faults = Faults()
-    faults.update({
-        "error_rate": args.error_rate, "error_status": args.error_status, "metrics_delay": args.metrics_delay,
-        "metrics_garbage": args.metrics_garbage, "hang": args.hang, "drop_kv_events": args.drop_kv_events,
-    })
+    faults.update(
+        {
+            "error_rate": args.error_rate,
+            "error_status": args.error_status,
+            "metrics_delay": args.metrics_delay,
+            "metrics_garbage": args.metrics_garbage,
+            "hang": args.hang,
+            "drop_kv_events": args.drop_kv_events,
+        }
+    )
     config = FleetConfig(
-        pods=args.pods, host=args.host, base_port=args.base_port, distinct_hosts=args.distinct_hosts,
-        kv_events_base_port=args.kv_events_base_port, kv_replay_base_port=args.kv_events_replay_base_port,
-        kv_events_format=args.kv_events_format, model=args.model, profile=args.profile,
-        time_scale=args.time_scale, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, max_loras=args.max_loras, lora_modules=tuple(args.lora_modules),
-        tokenizer=args.tokenizer, faults=faults,
+        pods=args.pods,
+        host=args.host,
+        base_port=args.base_port,
+        distinct_hosts=args.distinct_hosts,
+        kv_events_base_port=args.kv_events_base_port,
+        kv_replay_base_port=args.kv_events_replay_base_port,
+        kv_events_format=args.kv_events_format,
+        model=args.model,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_loras=args.max_loras,
+        lora_modules=tuple(args.lora_modules),
+        tokenizer=args.tokenizer,
+        faults=faults,
     )
     config.engine_config()  # validates profile, sizes and time scale
     return config

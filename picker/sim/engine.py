@@ -21,16 +21,44 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from picker.prefix.builtin_tokenizer import encode
 from picker.sim.kvcache import ROOT_HASH, KVCache, KVEvent, block_hashes
 from picker.sim.profiles import Profile
 from picker.sim.stats import EngineStats
-from picker.sim.tokenizer import encode
 
 # What the simulated model "says": a fixed word cycle; each word is one built-in token.
-OUTPUT_WORDS = (
-    "the quick brown fox jumps over a lazy dog while simulated engines stream tokens to every "
-    "client that asks politely and routers learn where each prefix lives in the cache"
-).split()
+OUTPUT_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "simulated",
+    "engines",
+    "stream",
+    "tokens",
+    "to",
+    "every",
+    "client",
+    "that",
+    "asks",
+    "politely",
+    "and",
+    "routers",
+    "learn",
+    "where",
+    "each",
+    "prefix",
+    "lives",
+    "in",
+    "the",
+    "cache",
+]
 OUTPUT_IDS = [encode(w)[0] for w in OUTPUT_WORDS]
 _BACK_TO_BACK = 0.002  # a step that starts this soon after the last one continues its clock
 
@@ -57,15 +85,39 @@ class Request:
     """One generation request moving through the engine."""
 
     __slots__ = (
-        "id", "tokens", "prompt_len", "max_tokens", "lora", "cache_salt", "hashes", "held",
-        "private", "num_computed", "num_cached", "num_output", "arrival", "scheduled_at",
-        "first_token_at", "last_token_at", "finished_at", "finish_reason", "waiter", "word_offset",
-        "stream", "on_token",
+        "arrival",
+        "cache_salt",
+        "finish_reason",
+        "finished_at",
+        "first_token_at",
+        "hashes",
+        "held",
+        "id",
+        "last_token_at",
+        "lora",
+        "max_tokens",
+        "num_cached",
+        "num_computed",
+        "num_output",
+        "on_token",
+        "private",
+        "prompt_len",
+        "scheduled_at",
+        "stream",
+        "tokens",
+        "waiter",
+        "word_offset",
     )
 
     def __init__(
-        self, rid: int, prompt_ids: list[int], max_tokens: int, lora: str | None,
-        cache_salt: str | None, block_size: int, stream: bool,
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        lora: str | None,
+        cache_salt: str | None,
+        block_size: int,
+        stream: bool,
     ) -> None:
         self.id = rid
         self.stream = stream  # woken once per step with new output, else only when finished
@@ -152,7 +204,11 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(
-        self, prompt_ids: list[int], max_tokens: int, lora: str | None = None, cache_salt: str | None = None,
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        lora: str | None = None,
+        cache_salt: str | None = None,
         stream: bool = False,
     ) -> Request:
         """Queue a request; EngineError if it can never fit."""
@@ -164,7 +220,8 @@ class Engine:
         if len(prompt_ids) + max_tokens > cfg.max_model_len:
             raise EngineError(
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} in the completion)."
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
+                f"{max_tokens} in the completion)."
             )
         if -(-(len(prompt_ids) + max_tokens) // cfg.block_size) > cfg.num_gpu_blocks:
             raise EngineError("request needs more KV blocks than the engine has")

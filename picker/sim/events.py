@@ -37,8 +37,14 @@ def encode_event(event: KVEvent, fmt: str) -> Any:
     if isinstance(event, BlockStored):
         if fmt == "positional":
             return [
-                "BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                event.block_size, None, "GPU", event.lora_name,
+                "BlockStored",
+                list(event.block_hashes),
+                event.parent_block_hash,
+                list(event.token_ids),
+                event.block_size,
+                None,
+                "GPU",
+                event.lora_name,
             ]
         out: dict[str, Any] = {
             "type": "BlockStored",
@@ -60,12 +66,24 @@ def encode_event(event: KVEvent, fmt: str) -> Any:
     raise TypeError(f"not a KV event: {event!r}")
 
 
+def encode_batch(events: list[KVEvent], fmt: str) -> bytes:
+    """One EventBatch payload (the third frame of a message), stamped now."""
+    packed: bytes = msgpack.packb([time.time(), [encode_event(e, fmt) for e in events], 0])
+    return packed
+
+
 class KVEventPublisher:
     """One pod's publisher; `publish` is synchronous and never blocks the event loop."""
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, host: str, port: int, topic: str, fmt: str = "positional",
-        replay_port: int | None = None, buffer_steps: int = 10_000,
+        self,
+        ctx: zmq.asyncio.Context,
+        host: str,
+        port: int,
+        topic: str,
+        fmt: str = "positional",
+        replay_port: int | None = None,
+        buffer_steps: int = 10_000,
     ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"kv-events format must be one of {FORMATS}, not {fmt!r}")
@@ -101,8 +119,7 @@ class KVEventPublisher:
 
     def publish(self, events: list[KVEvent]) -> None:
         """Send one EventBatch with `events`."""
-        fmt = self.fmt
-        payload = msgpack.packb([time.time(), [encode_event(e, fmt) for e in events], 0])
+        payload = encode_batch(events, self.fmt)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
+from picker.prefix.builtin_tokenizer import Tokenizer, load_tokenizer
 from picker.sim.engine import EngineConfig
 from picker.sim.faults import Faults
 from picker.sim.pod import Pod
 from picker.sim.profiles import DEFAULT_PROFILE, get_profile
-from picker.sim.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)

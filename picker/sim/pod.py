@@ -23,11 +23,11 @@ import orjson
 import zmq.asyncio
 from aiohttp import HttpVersion11, web
 
+from picker.prefix.builtin_tokenizer import Tokenizer
 from picker.sim.engine import Engine, EngineConfig, EngineError, Request
 from picker.sim.events import KVEventPublisher
 from picker.sim.faults import FORCE_ERROR_HEADER, Faults
 from picker.sim.stats import render_metrics
-from picker.sim.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,14 @@ class HTTPError(Exception):
 
 
 def error_response(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "InternalServerError"), "param": None, "code": status}}
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "InternalServerError"),
+            "param": None,
+            "code": status,
+        }
+    }
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
@@ -58,7 +65,7 @@ def _token_chunk(req: Request, index: int, prefix: bytes, suffix: bytes) -> byte
 class _TokenWriter:
     """Writes each new token of a streaming request as one HTTP chunk, straight to the socket."""
 
-    __slots__ = ("transport", "prefix", "suffix")
+    __slots__ = ("prefix", "suffix", "transport")
 
     def __init__(self, transport: asyncio.Transport, prefix: bytes, suffix: bytes) -> None:
         self.transport = transport
@@ -80,10 +87,19 @@ class Pod:
     """A simulated model-server pod. Start with `await pod.start()`, stop with `await pod.stop()`."""
 
     def __init__(
-        self, name: str, host: str, port: int, model: str, engine_config: EngineConfig,
-        tokenizer: Tokenizer, zmq_ctx: zmq.asyncio.Context | None = None, kv_events_port: int | None = None,
-        kv_replay_port: int | None = None, kv_events_format: str = "positional",
-        lora_modules: tuple[str, ...] = (), faults: Faults | None = None,
+        self,
+        name: str,
+        host: str,
+        port: int,
+        model: str,
+        engine_config: EngineConfig,
+        tokenizer: Tokenizer,
+        zmq_ctx: zmq.asyncio.Context | None = None,
+        kv_events_port: int | None = None,
+        kv_replay_port: int | None = None,
+        kv_events_format: str = "positional",
+        lora_modules: tuple[str, ...] = (),
+        faults: Faults | None = None,
     ) -> None:
         self.name = name
         self.host = host
@@ -285,8 +301,14 @@ class Pod:
         return await self._generate(request, body, model, lora, ids, max_tokens, chat=True)
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], model: str, lora: str | None, ids: list[int],
-        max_tokens: int, chat: bool,
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        model: str,
+        lora: str | None,
+        ids: list[int],
+        max_tokens: int,
+        chat: bool,
     ) -> web.StreamResponse:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
@@ -322,11 +344,20 @@ class Pod:
         text = req.output_text()
         if chat:
             choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": req.finish_reason, "stop_reason": None,
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": None,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": req.finish_reason,
+                "stop_reason": None,
+            }
         return {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{req.id}",
             "object": "chat.completion" if chat else "text_completion",
@@ -356,7 +387,12 @@ class Pod:
         if chat:
             prefix = b"data: " + opening + b',"choices":[{"index":0,"delta":{"content":"'
             suffix = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-            role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            role = {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            }
             await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
         else:
             prefix = b"data: " + opening + b',"choices":[{"index":0,"text":"'
@@ -364,10 +400,13 @@ class Pod:
         sent = 0
         while True:
             produced = req.num_output
+            # A local, not a test of req.finish_reason: that would narrow it to None in the
+            # branches below, and the type checker cannot see req.wait() changing it.
+            finished = req.finish_reason is not None
             if produced > sent:
                 await resp.write(b"".join(_token_chunk(req, i, prefix, suffix) for i in range(sent, produced)))
                 sent = produced
-            elif req.finish_reason is not None:
+            elif finished:
                 break
             elif direct and sent:
                 # Headers and a first chunk went out through aiohttp; from here on the step loop
@@ -380,8 +419,13 @@ class Pod:
                 await req.wait()
         if req.finish_reason == "abort":
             return resp  # engine restarted mid-stream: the stream just ends, without [DONE]
-        delta = {"delta": {}} if chat else {"text": ""}
-        last = {**head, "choices": [{"index": 0, **delta, "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}]}
+        delta: dict[str, object] = {"delta": {}} if chat else {"text": ""}
+        last = {
+            **head,
+            "choices": [
+                {"index": 0, **delta, "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
+            ],
+        }
         tail = b"data: " + orjson.dumps(last) + b"\n\n"
         if include_usage:
             tail += b"data: " + orjson.dumps({**head, "choices": [], "usage": self._usage(req)}) + b"\n\n"
@@ -404,19 +448,25 @@ class Pod:
         body = await self._body(request)
         text = self._text_of(body)
         ids = self.tokenizer.encode(text)
-        return _json({
-            "count": len(ids),
-            "max_model_len": self.engine.config.max_model_len,
-            "tokens": ids,
-            "token_strs": self.tokenizer.token_strs(text, ids),
-        })
+        return _json(
+            {
+                "count": len(ids),
+                "max_model_len": self.engine.config.max_model_len,
+                "tokens": ids,
+                "token_strs": self.tokenizer.token_strs(text, ids),
+            }
+        )
 
     def _generate_request(self, body: dict[str, Any], model: str, ids: list[int]) -> dict[str, Any]:
         """vLLM's render answer: the GenerateRequest it would run (token ids, sampling params)."""
         return {
-            "request_id": None, "token_ids": ids, "features": None, "model": model,
+            "request_id": None,
+            "token_ids": ids,
+            "features": None,
+            "model": model,
             "sampling_params": {"max_tokens": body.get("max_tokens") or body.get("max_completion_tokens")},
-            "stream": body.get("stream") is True, "cache_salt": body.get("cache_salt"),
+            "stream": body.get("stream") is True,
+            "cache_salt": body.get("cache_salt"),
         }
 
     async def _render_completions(self, request: web.Request) -> web.Response:
@@ -434,11 +484,29 @@ class Pod:
     async def _models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         cfg = self.engine.config
-        data = [{"id": self.model, "object": "model", "created": created, "owned_by": "vllm", "root": self.model,
-                 "parent": None, "max_model_len": cfg.max_model_len}]
+        data = [
+            {
+                "id": self.model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": self.model,
+                "parent": None,
+                "max_model_len": cfg.max_model_len,
+            }
+        ]
         for name in sorted(self.lora_modules | set(self.engine.loaded_loras)):
-            data.append({"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
-                         "parent": self.model, "max_model_len": cfg.max_model_len})
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": name,
+                    "parent": self.model,
+                    "max_model_len": cfg.max_model_len,
+                }
+            )
         return _json({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -454,12 +522,21 @@ class Pod:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.config
-        return _json({
-            "model_path": self.model, "tokenizer_path": self.tokenizer.name, "served_model_name": self.model,
-            "context_length": cfg.max_model_len, "page_size": cfg.block_size,
-            "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size, "max_running_requests": cfg.max_num_seqs,
-            "chunked_prefill_size": cfg.max_num_batched_tokens, "dp_size": 1, "tp_size": 1, "version": "picker-sim",
-        })
+        return _json(
+            {
+                "model_path": self.model,
+                "tokenizer_path": self.tokenizer.name,
+                "served_model_name": self.model,
+                "context_length": cfg.max_model_len,
+                "page_size": cfg.block_size,
+                "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
+                "max_running_requests": cfg.max_num_seqs,
+                "chunked_prefill_size": cfg.max_num_batched_tokens,
+                "dp_size": 1,
+                "tp_size": 1,
+                "version": "picker-sim",
+            }
+        )
 
     async def _model_info(self, request: web.Request) -> web.Response:
         return _json({"model_path": self.model, "tokenizer_path": self.tokenizer.name, "is_generation": True})

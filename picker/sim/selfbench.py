@@ -46,12 +46,26 @@ class RunResult:
 
 def _start_sim(pods: int, profile: str, time_scale: float) -> tuple[subprocess.Popen[str], list[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "picker.cli", "sim", "--pods", str(pods), "--base-port", "0", "--profile", profile,
-         "--time-scale", str(time_scale)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "sim",
+            "--pods",
+            str(pods),
+            "--base-port",
+            "0",
+            "--profile",
+            profile,
+            "--time-scale",
+            str(time_scale),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout is not None
-    urls = []
+    urls: list[str] = []
     for line in proc.stdout:
         if line.strip() == "ready":
             return proc, urls
@@ -118,16 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     per_req_long = long.cpu / max(long.requests, 1)
     extra_tokens = long.tokens / max(long.requests, 1) - short.tokens / max(short.requests, 1)
     per_token = (per_req_long - per_req_short) / extra_tokens if extra_tokens > 0 else float("nan")
-    print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; {args.pods} pods, "
-          f"profile {args.profile}, time-scale {args.time_scale}, prompt {args.prompt_words} words")
+    print(
+        f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}; {args.pods} pods, "
+        f"profile {args.profile}, time-scale {args.time_scale}, prompt {args.prompt_words} words"
+    )
     for name, r in (("1 output token", short), (f"{args.output_tokens} output tokens", long)):
         share = r.cpu / r.wall
-        print(f"{name:>18}: {r.requests} ok, {r.errors} errors in {r.wall:.1f} s ({r.requests / r.wall:.0f} req/s), "
-              f"{r.tokens} tokens streamed; sim CPU {r.cpu:.2f} s = {share:.0%} of a core; "
-              f"{1000 * r.cpu / max(r.requests, 1):.3f} ms CPU/request; "
-              f"one core sustains ~{r.requests / r.wall / max(share, 1e-9):.0f} req/s at this mix")
-    print(f"marginal CPU per streamed token: {per_token * 1e6:.1f} us; "
-          f"fixed CPU per request: {per_req_short * 1e3:.3f} ms")
+        print(
+            f"{name:>18}: {r.requests} ok, {r.errors} errors in {r.wall:.1f} s ({r.requests / r.wall:.0f} req/s), "
+            f"{r.tokens} tokens streamed; sim CPU {r.cpu:.2f} s = {share:.0%} of a core; "
+            f"{1000 * r.cpu / max(r.requests, 1):.3f} ms CPU/request; "
+            f"one core sustains ~{r.requests / r.wall / max(share, 1e-9):.0f} req/s at this mix"
+        )
+    print(
+        f"marginal CPU per streamed token: {per_token * 1e6:.1f} us; "
+        f"fixed CPU per request: {per_req_short * 1e3:.3f} ms"
+    )
     return 0
 
 

@@ -15,16 +15,72 @@ if TYPE_CHECKING:
     from picker.sim.engine import Engine, Request
 
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 ITL_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
@@ -32,7 +88,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 class Histogram:
     """A cumulative-on-render histogram: one bisect per observation."""
 
-    __slots__ = ("buckets", "counts", "sum", "count")
+    __slots__ = ("buckets", "count", "counts", "sum")
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -117,7 +173,9 @@ def render_metrics(engine: Engine, model: str) -> str:
         waiting = ",".join(sorted({r.lora for r in engine.waiting if r.lora}))
         lora_labels = f'max_lora="{lora_max}",running_lora_adapters="{running}",waiting_lora_adapters="{waiting}"'
         gauge("vllm:lora_requests_info", "Running stats on lora requests.", time.time(), lora_labels)
-    counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_queries)
+    counter(
+        "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_queries
+    )
     counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits)
     counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
@@ -133,7 +191,9 @@ def render_metrics(engine: Engine, model: str) -> str:
     histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", s.itl)
     histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", s.e2e)
     histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", s.queue_time)
-    histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", s.prefill_time)
+    histogram(
+        "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", s.prefill_time
+    )
     histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", s.decode_time)
     histogram(
         "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", s.inference_time

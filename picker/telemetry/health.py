@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +15,7 @@ _UNKNOWN = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.
 READINESS_SERVICES = frozenset({"readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""})
 
 
-class HealthServicer(health_pb2_grpc.HealthServicer):
+class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # generated, untyped base
     """Answers Check from `ready()`, evaluated at call time (e.g. the datastore has synced)."""
 
     def __init__(self, ready: Callable[[], bool]) -> None:
@@ -30,5 +30,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             return _SERVING if self.ready() else _NOT_SERVING
         return _UNKNOWN
 
-    async def Watch(self, request, context):  # noqa: N802 (as the reference: unimplemented)
+    async def Watch(  # noqa: N802 (as the reference: unimplemented)
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not implemented")

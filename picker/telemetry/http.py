@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
-def metrics_app(decisions: Callable[[], list[dict]] | None = None) -> web.Application:
+def metrics_app(decisions: Callable[[], list[dict[str, Any]]] | None = None) -> web.Application:
     """An aiohttp app serving metrics; `decisions` (if given) backs GET /debug/decisions."""
 
     async def serve_metrics(_: web.Request) -> web.Response:

@@ -10,28 +10,105 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _M = ("model_name", "target_model_name")
 _DURATION_BUCKETS = (
-    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
-    30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
+    0.005,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    1.25,
+    1.5,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    15,
+    20,
+    30,
+    45,
+    60,
+    120,
+    180,
+    240,
+    300,
+    360,
+    480,
+    600,
+    900,
+    1200,
+    1800,
+    2700,
+    3600,
 )
 _TOKEN_BUCKETS = (
-    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
-    262144, 524288, 1048576,
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32778,
+    65536,
+    131072,
+    262144,
+    524288,
+    1048576,
 )
 _SIZE_BUCKETS = tuple(64 * 4**i for i in range(13))  # 64 B .. 1 GiB
 _SCHED_BUCKETS = (
-    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
 )
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 
 # -- per request (reference names) -----------------------------------------------------------
-REQUEST_TOTAL = Counter(
-    "inference_objective_request", "Requests routed, by model and priority.", _M + ("priority",)
-)
+REQUEST_TOTAL = Counter("inference_objective_request", "Requests routed, by model and priority.", (*_M, "priority"))
 REQUEST_ERROR_TOTAL = Counter(
-    "inference_objective_request_error", "Requests that failed, by error code.", _M + ("error_code",)
+    "inference_objective_request_error", "Requests that failed, by error code.", (*_M, "error_code")
 )
 REQUEST_DURATION = Histogram(
     "inference_objective_request_duration_seconds",
@@ -57,9 +134,7 @@ CACHED_TOKENS = Histogram(
     _M,
     buckets=_TOKEN_BUCKETS,
 )
-RUNNING_REQUESTS = Gauge(
-    "inference_objective_running_requests", "Requests in flight, by model.", ("model_name",)
-)
+RUNNING_REQUESTS = Gauge("inference_objective_running_requests", "Requests in flight, by model.", ("model_name",))
 TTFT = Histogram(
     "inference_objective_request_ttft_seconds",
     "Time from the picker's decision to the first response body byte.",
@@ -72,9 +147,7 @@ POOL_KV_CACHE = Gauge(
     "inference_pool_average_kv_cache_utilization", "Mean KV-cache utilisation of fresh endpoints.", ("name",)
 )
 POOL_QUEUE = Gauge("inference_pool_average_queue_size", "Mean waiting queue of fresh endpoints.", ("name",))
-POOL_RUNNING = Gauge(
-    "inference_pool_average_running_requests", "Mean running requests of fresh endpoints.", ("name",)
-)
+POOL_RUNNING = Gauge("inference_pool_average_running_requests", "Mean running requests of fresh endpoints.", ("name",))
 POOL_READY_PODS = Gauge("inference_pool_ready_pods", "Endpoints with fresh metrics.", ("name",))
 POOL_PER_POD_QUEUE = Gauge(
     "inference_pool_per_pod_queue_size", "Waiting queue per endpoint.", ("name", "model_server_pod")
@@ -99,7 +172,9 @@ INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build
 
 # -- picker's own -----------------------------------------------------------------------------
 ROUTED_TOTAL = Counter("picker_requests_routed", "Requests sent to each endpoint.", ("endpoint",))
-IN_FLIGHT = Gauge("picker_in_flight_requests", "Requests in flight per endpoint, as the picker counts them.", ("endpoint",))
+IN_FLIGHT = Gauge(
+    "picker_in_flight_requests", "Requests in flight per endpoint, as the picker counts them.", ("endpoint",)
+)
 STREAMS_ACTIVE = Gauge("picker_extproc_streams_active", "Open ext_proc streams.")
 STREAM_ERRORS = Counter("picker_extproc_stream_errors", "ext_proc streams that ended in an error.", ("reason",))
 

@@ -15,7 +15,7 @@ from tests.e2e.helm_cli import helm
 from tests.e2e.kube_cluster import (
     HELM_VERSION,
     KubeCluster,
-    MissingBinary,
+    MissingBinaryError,
     cached_binary,
 )
 from tests.e2e.kube_resources import (
@@ -34,7 +34,7 @@ CRDS = ROOT / "manifests" / "crds"
 def helm_binary() -> Path:
     try:
         return cached_binary("helm", HELM_VERSION)
-    except MissingBinary as exc:
+    except MissingBinaryError as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
@@ -50,7 +50,7 @@ def helm_env() -> Iterator[dict[str, str]]:
 def kube_cluster() -> Iterator[KubeCluster]:
     try:
         cluster = KubeCluster()
-    except MissingBinary as exc:
+    except MissingBinaryError as exc:
         pytest.fail(str(exc), pytrace=False)
     cluster.start()
     try:
@@ -71,13 +71,30 @@ def admin_api(kube_cluster: KubeCluster) -> Iterator[client.ApiClient]:
 
 
 @pytest.fixture(scope="module")
-def picker_release(kube_cluster: KubeCluster, admin_api: client.ApiClient, helm_binary: Path,
-                   helm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def picker_release(
+    kube_cluster: KubeCluster,
+    admin_api: client.ApiClient,
+    helm_binary: Path,
+    helm_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str]:
     """The chart installed (default values, plaintext ext_proc) in a fresh namespace, and a
     kubeconfig with its ServiceAccount's credentials: what the picker runs with in a cluster."""
     namespace = create_namespace(admin_api, "picker-e2e")
-    helm(helm_binary, helm_env, "install", "pool", str(CHART), "-n", namespace, "--wait=false",
-         "--set", "inferenceExtension.secureServing=false", kube=kube_cluster)
-    path = service_account_kubeconfig(admin_api, kube_cluster, namespace, "pool-epp",
-                                      tmp_path_factory.mktemp("sa") / "picker.kubeconfig")
+    helm(
+        helm_binary,
+        helm_env,
+        "install",
+        "pool",
+        str(CHART),
+        "-n",
+        namespace,
+        "--wait=false",
+        "--set",
+        "inferenceExtension.secureServing=false",
+        kube=kube_cluster,
+    )
+    path = service_account_kubeconfig(
+        admin_api, kube_cluster, namespace, "pool-epp", tmp_path_factory.mktemp("sa") / "picker.kubeconfig"
+    )
     return {"namespace": namespace, "pool": "pool", "config_map": "pool-epp", "kubeconfig": str(path)}

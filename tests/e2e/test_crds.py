@@ -21,7 +21,9 @@ def namespace(admin_api: client.ApiClient) -> str:
     return create_namespace(admin_api, "crds")
 
 
-def create(api: client.ApiClient, namespace: str, resource: tuple[str, str, str], body: dict[str, Any]) -> dict[str, Any]:
+def create(
+    api: client.ApiClient, namespace: str, resource: tuple[str, str, str], body: dict[str, Any]
+) -> dict[str, Any]:
     group, version, plural = resource
     return client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, namespace, plural, body)
 
@@ -49,19 +51,25 @@ def test_valid_pool_gets_defaults(admin_api, namespace) -> None:
     assert legacy["spec"]["extensionRef"]["kind"] == "Service"
 
 
-@pytest.mark.parametrize("name, spec, expected", [
-    ("nine-ports", {"targetPorts": [{"number": 8000 + i} for i in range(9)]}, "must have at most 8 items"),
-    ("no-ports", {"targetPorts": []}, "should have at least 1 items"),
-    ("dup-ports", {"targetPorts": [{"number": 8000}, {"number": 8000}]}, "port numbers must be unique"),
-    ("port-zero", {"targetPorts": [{"number": 0}]}, "should be greater than or equal to 1"),
-    ("no-selector", {"selector": None}, "spec.selector: Required value"),
-    ("empty-selector", {"selector": {"matchLabels": {}}}, "should have at least 1 properties"),
-    ("bad-label-key", {"selector": {"matchLabels": {"bad key!": "x"}}}, "label keys must be valid"),
-    ("service-no-port", {"endpointPickerRef": {"name": "epp"}}, "port is required when kind is Service"),
-    ("bad-failure-mode", {"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}},
-     "Unsupported value"),
-    ("bad-protocol", {"appProtocol": "grpc"}, "Unsupported value"),
-])
+@pytest.mark.parametrize(
+    "name, spec, expected",
+    [
+        ("nine-ports", {"targetPorts": [{"number": 8000 + i} for i in range(9)]}, "must have at most 8 items"),
+        ("no-ports", {"targetPorts": []}, "should have at least 1 items"),
+        ("dup-ports", {"targetPorts": [{"number": 8000}, {"number": 8000}]}, "port numbers must be unique"),
+        ("port-zero", {"targetPorts": [{"number": 0}]}, "should be greater than or equal to 1"),
+        ("no-selector", {"selector": None}, "spec.selector: Required value"),
+        ("empty-selector", {"selector": {"matchLabels": {}}}, "should have at least 1 properties"),
+        ("bad-label-key", {"selector": {"matchLabels": {"bad key!": "x"}}}, "label keys must be valid"),
+        ("service-no-port", {"endpointPickerRef": {"name": "epp"}}, "port is required when kind is Service"),
+        (
+            "bad-failure-mode",
+            {"endpointPickerRef": {"name": "epp", "port": {"number": 9002}, "failureMode": "Maybe"}},
+            "Unsupported value",
+        ),
+        ("bad-protocol", {"appProtocol": "grpc"}, "Unsupported value"),
+    ],
+)
 def test_invalid_v1_pools_are_rejected(admin_api, namespace, name, spec, expected) -> None:
     body = v1_pool(name, **spec)
     body["spec"] = {k: v for k, v in body["spec"].items() if v is not None}
@@ -76,8 +84,12 @@ def test_invalid_legacy_pool_and_objective_are_rejected(admin_api, namespace) ->
     with pytest.raises(client.ApiException) as info:
         create(admin_api, namespace, LEGACY, body)
     assert info.value.status == 422 and "targetPortNumber" in info.value.body
-    objective = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
-                 "metadata": {"name": "no-pool"}, "spec": {"priority": 1}}
+    objective = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": "no-pool"},
+        "spec": {"priority": 1},
+    }
     with pytest.raises(client.ApiException) as info:
         create(admin_api, namespace, OBJECTIVES, objective)
     assert info.value.status == 422 and "poolRef" in info.value.body

@@ -94,7 +94,7 @@ async def test_endpoints_follow_ready_notready_terminating_and_deleted_pods(
     ns = picker_release["namespace"]
     await api_call(put_pool, admin_api, ns, "pool", labels, [8000])
     ip_a, ip_b, ip_c = ip(), ip(), ip()
-    for name, pod_ip in (("a", ip_a), ("b", ip_b)):
+    for name in ("a", "b"):
         await api_call(create_pod, admin_api, ns, f"{labels['app']}-{name}", labels)
     await api_call(set_pod_ready, admin_api, ns, f"{labels['app']}-a", ip_a)
     await api_call(create_pod, admin_api, ns, f"{labels['app']}-other", {"app": "unrelated"})
@@ -131,10 +131,17 @@ async def test_target_ports_are_ranks_filtered_by_active_ports_with_kv_event_add
     ns = picker_release["namespace"]
     await api_call(put_pool, admin_api, ns, "pool", labels, [8000, 8001, 8002])
     ip_a, ip_b = ip(), ip()
-    await api_call(create_pod, admin_api, ns, "dp-a", labels, {
-        "inference.networking.k8s.io/active-ports": "8000,8002",
-        "picker.inference/kv-events-port": "5557",
-    })
+    await api_call(
+        create_pod,
+        admin_api,
+        ns,
+        "dp-a",
+        labels,
+        {
+            "inference.networking.k8s.io/active-ports": "8000,8002",
+            "picker.inference/kv-events-port": "5557",
+        },
+    )
     await api_call(create_pod, admin_api, ns, "dp-b", labels, {"picker.inference/kv-events-port": "6000,6100"})
     await api_call(set_pod_ready, admin_api, ns, "dp-a", ip_a)
     await api_call(set_pod_ready, admin_api, ns, "dp-b", ip_b)
@@ -151,14 +158,22 @@ async def test_target_ports_are_ranks_filtered_by_active_ports_with_kv_event_add
         (f"{ip_b}:8002", "dp-b-rank-2", None),
     }
 
-    await api_call(client.CoreV1Api(admin_api).patch_namespaced_pod, "dp-a", ns,
-                   {"metadata": {"annotations": {"inference.networking.k8s.io/active-ports": "8001"}}})
-    await wait_for(lambda: {a for a in addresses(datastore) if a.startswith(f"{ip_a}:")} == {f"{ip_a}:8001"},
-                   CHANGE_DEADLINE, "active-ports change")
+    await api_call(
+        client.CoreV1Api(admin_api).patch_namespaced_pod,
+        "dp-a",
+        ns,
+        {"metadata": {"annotations": {"inference.networking.k8s.io/active-ports": "8001"}}},
+    )
+    await wait_for(
+        lambda: {a for a in addresses(datastore) if a.startswith(f"{ip_a}:")} == {f"{ip_a}:8001"},
+        CHANGE_DEADLINE,
+        "active-ports change",
+    )
 
     await api_call(put_pool, admin_api, ns, "pool", labels, [8001])
-    await wait_for(lambda: addresses(datastore) == {f"{ip_a}:8001", f"{ip_b}:8001"}, CHANGE_DEADLINE,
-                   "targetPorts change")
+    await wait_for(
+        lambda: addresses(datastore) == {f"{ip_a}:8001", f"{ip_b}:8001"}, CHANGE_DEADLINE, "targetPorts change"
+    )
     assert datastore.get(f"{ip_b}:8001").name == "dp-b-rank-0"
 
 
@@ -190,8 +205,9 @@ async def test_standalone_mode_needs_no_pool(admin_api, picker_release, labels, 
 
     datastore = Datastore()
     await start_discovery(datastore, pool_name=None, endpoint_selector=labels, endpoint_target_ports=[8000, 8001])
-    await wait_for(lambda: addresses(datastore) == {f"{pod_ip}:8000", f"{pod_ip}:8001"}, START_DEADLINE,
-                   "standalone endpoints")
+    await wait_for(
+        lambda: addresses(datastore) == {f"{pod_ip}:8000", f"{pod_ip}:8001"}, START_DEADLINE, "standalone endpoints"
+    )
 
 
 async def test_inference_objectives_of_this_pool_reach_the_callback(admin_api, picker_release, start_discovery) -> None:
@@ -202,20 +218,41 @@ async def test_inference_objectives_of_this_pool_reach_the_callback(admin_api, p
         spec: dict[str, Any] = {"poolRef": {"name": pool}}
         if priority is not None:
             spec["priority"] = priority
-        return {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
-                "metadata": {"name": name}, "spec": spec}
+        return {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
 
-    for body in (objective("critical", "pool", 10), objective("batch", "pool", -1),
-                 objective("default-prio", "pool", None), objective("elsewhere", "other-pool", 5)):
-        await api_call(custom.create_namespaced_custom_object, "inference.networking.x-k8s.io", "v1alpha2", ns,
-                       "inferenceobjectives", body)
+    for body in (
+        objective("critical", "pool", 10),
+        objective("batch", "pool", -1),
+        objective("default-prio", "pool", None),
+        objective("elsewhere", "other-pool", 5),
+    ):
+        await api_call(
+            custom.create_namespaced_custom_object,
+            "inference.networking.x-k8s.io",
+            "v1alpha2",
+            ns,
+            "inferenceobjectives",
+            body,
+        )
     seen: list[dict[str, int]] = []
     await start_discovery(Datastore(), on_objectives=seen.append)
     await wait_for(lambda: seen, START_DEADLINE, "objectives")
     assert seen[-1] == {"critical": 10, "batch": -1, "default-prio": 0}
 
-    await api_call(custom.patch_namespaced_custom_object, "inference.networking.x-k8s.io", "v1alpha2", ns,
-                   "inferenceobjectives", "batch", {"spec": {"priority": -5}})
+    await api_call(
+        custom.patch_namespaced_custom_object,
+        "inference.networking.x-k8s.io",
+        "v1alpha2",
+        ns,
+        "inferenceobjectives",
+        "batch",
+        {"spec": {"priority": -5}},
+    )
     await wait_for(lambda: seen[-1].get("batch") == -5, CHANGE_DEADLINE, "priority change")
 
 
@@ -230,8 +267,9 @@ async def test_config_map_changes_reach_the_callback(admin_api, picker_release, 
     await api_call(patch_config_map, admin_api, ns, name, {"default-plugins.yaml": changed})
     await wait_for(lambda: texts[-1] == changed, CHANGE_DEADLINE, "config change")
     # Metadata-only updates do not re-deliver the same text.
-    await api_call(client.CoreV1Api(admin_api).patch_namespaced_config_map, name, ns,
-                   {"metadata": {"labels": {"touched": "yes"}}})
+    await api_call(
+        client.CoreV1Api(admin_api).patch_namespaced_config_map, name, ns, {"metadata": {"labels": {"touched": "yes"}}}
+    )
     await api_call(patch_config_map, admin_api, ns, name, {"default-plugins.yaml": texts[0]})
     await wait_for(lambda: texts[-1] == texts[0], CHANGE_DEADLINE, "config change back")
     assert len(texts) == 3
@@ -239,19 +277,38 @@ async def test_config_map_changes_reach_the_callback(admin_api, picker_release, 
 
 async def test_legacy_v1alpha2_pool(kube_cluster, admin_api, helm_binary, helm_env, labels, ip, tmp_path) -> None:
     ns = await api_call(create_namespace, admin_api, "picker-legacy")
-    await api_call(helm, helm_binary, helm_env, "install", "legacy", str(CHART), "-n", ns,
-                   "--set", "inferencePool.apiVersion=inference.networking.x-k8s.io/v1alpha2",
-                   "--set", f"inferencePool.modelServers.matchLabels.app={labels['app']}",
-                   "--set", "inferencePool.targetPorts[0].number=8080", kube=kube_cluster)
-    kubeconfig = await api_call(service_account_kubeconfig, admin_api, kube_cluster, ns, "legacy-epp",
-                                tmp_path / "legacy.kubeconfig")
+    await api_call(
+        helm,
+        helm_binary,
+        helm_env,
+        "install",
+        "legacy",
+        str(CHART),
+        "-n",
+        ns,
+        "--set",
+        "inferencePool.apiVersion=inference.networking.x-k8s.io/v1alpha2",
+        "--set",
+        f"inferencePool.modelServers.matchLabels.app={labels['app']}",
+        "--set",
+        "inferencePool.targetPorts[0].number=8080",
+        kube=kube_cluster,
+    )
+    kubeconfig = await api_call(
+        service_account_kubeconfig, admin_api, kube_cluster, ns, "legacy-epp", tmp_path / "legacy.kubeconfig"
+    )
     pod_ip = ip()
     await api_call(create_pod, admin_api, ns, "old-pod", labels)
     await api_call(set_pod_ready, admin_api, ns, "old-pod", pod_ip)
 
     datastore = Datastore()
-    discovery = KubernetesDiscovery(datastore, pool_name="legacy", pool_namespace=ns,
-                                    pool_group="inference.networking.x-k8s.io", kubeconfig=str(kubeconfig))
+    discovery = KubernetesDiscovery(
+        datastore,
+        pool_name="legacy",
+        pool_namespace=ns,
+        pool_group="inference.networking.x-k8s.io",
+        kubeconfig=str(kubeconfig),
+    )
     await discovery.start()
     try:
         await wait_for(lambda: addresses(datastore) == {f"{pod_ip}:8080"}, START_DEADLINE, "legacy pool endpoint")
@@ -261,8 +318,9 @@ async def test_legacy_v1alpha2_pool(kube_cluster, admin_api, helm_binary, helm_e
         await discovery.stop()
 
 
-async def test_pool_deleted_empties_the_endpoints(admin_api, picker_release, labels, ip, start_discovery,
-                                                  kube_cluster, tmp_path) -> None:
+async def test_pool_deleted_empties_the_endpoints(
+    admin_api, picker_release, labels, ip, start_discovery, kube_cluster, tmp_path
+) -> None:
     ns = picker_release["namespace"]
     # A pool the chart's Role does not name: this test watches it with admin credentials.
     await api_call(put_pool, admin_api, ns, "scratch", labels, [8000])
@@ -272,8 +330,14 @@ async def test_pool_deleted_empties_the_endpoints(admin_api, picker_release, lab
     datastore = Datastore()
     await start_discovery(datastore, pool_name="scratch", kubeconfig=str(kube_cluster.admin_kubeconfig))
     await wait_for(lambda: addresses(datastore) == {f"{pod_ip}:8000"}, START_DEADLINE, "scratch pool endpoint")
-    await api_call(client.CustomObjectsApi(admin_api).delete_namespaced_custom_object,
-                   "inference.networking.k8s.io", "v1", ns, "inferencepools", "scratch")
+    await api_call(
+        client.CustomObjectsApi(admin_api).delete_namespaced_custom_object,
+        "inference.networking.k8s.io",
+        "v1",
+        ns,
+        "inferencepools",
+        "scratch",
+    )
     await wait_for(lambda: addresses(datastore) == set(), CHANGE_DEADLINE, "pool deleted")
 
 
@@ -288,17 +352,26 @@ def test_service_account_cannot_do_what_it_must_not(admin_api, picker_release) -
         forbidden: list[Callable[[], Any]] = [
             lambda: core.list_namespaced_secret(ns),
             lambda: core.read_namespaced_secret("anything", ns),
-            lambda: core.create_namespaced_pod(ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "evil"},
-                                                    "spec": {"containers": [{"name": "c", "image": "x"}]}}),
+            lambda: core.create_namespaced_pod(
+                ns,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "evil"},
+                    "spec": {"containers": [{"name": "c", "image": "x"}]},
+                },
+            ),
             lambda: core.patch_namespaced_pod_status("any", ns, {"status": {"podIP": "127.0.0.9"}}),
             lambda: core.delete_collection_namespaced_pod(ns),
             lambda: core.list_namespaced_config_map(ns),  # only its own ConfigMap, by name
             lambda: core.patch_namespaced_config_map(picker_release["config_map"], ns, {"data": {"x": "y"}}),
             lambda: core.list_namespaced_pod("default"),  # other namespaces
             lambda: client.CustomObjectsApi(sa).patch_namespaced_custom_object(
-                "inference.networking.k8s.io", "v1", ns, "inferencepools", "pool", {"spec": {}}),
+                "inference.networking.k8s.io", "v1", ns, "inferencepools", "pool", {"spec": {}}
+            ),
             lambda: client.CustomObjectsApi(sa).list_namespaced_custom_object(
-                "inference.networking.k8s.io", "v1", ns, "inferencepools"),  # only its own pool, by name
+                "inference.networking.k8s.io", "v1", ns, "inferencepools"
+            ),  # only its own pool, by name
             lambda: client.CoordinationV1Api(sa).list_namespaced_lease(ns),
         ]
         for call in forbidden:
@@ -351,12 +424,14 @@ async def test_watch_gone_410_relists_without_dropping_objects(kube_cluster, adm
         if query.get("watch") and not any(c.get("watch") for c in calls):
             query["resource_version"] = "1"  # compacted away: the API server answers 410 Gone
         calls.append(query)
-        return core.list_namespaced_config_map(ns, label_selector=f"app={labels['app']}", _preload_content=False,
-                                               **query)
+        return core.list_namespaced_config_map(
+            ns, label_selector=f"app={labels['app']}", _preload_content=False, **query
+        )
 
     deliveries: list[set[str]] = []
-    reflector = KubeReflector("configmaps-410", list_config_maps, lambda objects: deliveries.append(set(objects)),
-                              asyncio.get_running_loop())
+    reflector = KubeReflector(
+        "configmaps-410", list_config_maps, lambda objects: deliveries.append(set(objects)), asyncio.get_running_loop()
+    )
     reflector.start()
     try:
         await wait_for(lambda: len([c for c in calls if not c.get("watch")]) >= 2, START_DEADLINE, "a relist")
@@ -369,15 +444,17 @@ async def test_watch_gone_410_relists_without_dropping_objects(kube_cluster, adm
 
 
 async def test_missing_credentials_are_a_clear_error(tmp_path) -> None:
-    discovery = KubernetesDiscovery(Datastore(), pool_name="pool", pool_namespace="default",
-                                    kubeconfig=str(tmp_path / "missing.kubeconfig"))
+    discovery = KubernetesDiscovery(
+        Datastore(), pool_name="pool", pool_namespace="default", kubeconfig=str(tmp_path / "missing.kubeconfig")
+    )
     with pytest.raises(KubeCredentialsError, match="missing.kubeconfig"):
         await discovery.start()
     await discovery.stop()
 
 
-async def test_missing_objective_crd_is_not_an_error(admin_api, picker_release, labels, ip, start_discovery,
-                                                     caplog) -> None:
+async def test_missing_objective_crd_is_not_an_error(
+    admin_api, picker_release, labels, ip, start_discovery, caplog
+) -> None:
     """Without the InferenceObjective CRD the picker still syncs its pool and says so in its log
     (the CRD is put back afterwards for the other tests)."""
     ns = picker_release["namespace"]
@@ -411,8 +488,12 @@ async def test_missing_objective_crd_is_not_an_error(admin_api, picker_release, 
             await wait_for(lambda: "InferenceObjective CRD" in caplog.text, START_DEADLINE, "the not-installed log")
         assert seen == []
     finally:
-        body = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-                "metadata": {"name": crd_name, "annotations": saved.metadata.annotations}, "spec": saved.spec}
+        body = {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": crd_name, "annotations": saved.metadata.annotations},
+            "spec": saved.spec,
+        }
         await api_call(_recreate_crd, admin_api, body)
 
 

@@ -83,22 +83,33 @@ def ports(hosts: list[str]) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def backends(hosts: list[str], ports: tuple[int, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+def backends(
+    hosts: list[str], ports: tuple[int, int], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
     process = start_backends([f"{h}:{p}" for h in hosts for p in ports], tmp_path_factory.mktemp("backends"))
     yield process
     process.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(picker_release: dict[str, str], backends: ManagedProcess,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Picker, str]]:
+def gateway(
+    picker_release: dict[str, str], backends: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Picker, str]]:
     """`picker serve` for the chart's pool, with the chart's credentials, behind Envoy."""
     log_dir = tmp_path_factory.mktemp("gateway")
     picker = start_picker(
         log_dir,
-        "--pool-name", picker_release["pool"], "--pool-namespace", picker_release["namespace"],
-        "--kubeconfig", picker_release["kubeconfig"], "--config-map", picker_release["config_map"],
-        "--enable-debug-decisions", name="picker-kube", tls=False,
+        "--pool-name",
+        picker_release["pool"],
+        "--pool-namespace",
+        picker_release["namespace"],
+        "--kubeconfig",
+        picker_release["kubeconfig"],
+        "--config-map",
+        picker_release["config_map"],
+        "--enable-debug-decisions",
+        name="picker-kube",
+        tls=False,
     )
     try:
         envoy = start_envoy("buffered", picker.grpc_port, log_dir, tls=False, name="envoy-kube")
@@ -148,7 +159,8 @@ def test_target_ports_are_separate_endpoints(admin_api, picker_release, hosts, p
     put_pool(admin_api, ns, "pool", labels, list(ports))
     routes_only_to(url, {f"{hosts[2]}:{ports[1]}"}, 5.0, "only the active rank")
     client.CoreV1Api(admin_api).patch_namespaced_pod(
-        pod, ns, {"metadata": {"annotations": {"inference.networking.k8s.io/active-ports": str(ports[0])}}})
+        pod, ns, {"metadata": {"annotations": {"inference.networking.k8s.io/active-ports": str(ports[0])}}}
+    )
     routes_only_to(url, {f"{hosts[2]}:{ports[0]}"}, CHANGE_DEADLINE, "the other rank")
 
 
@@ -188,8 +200,9 @@ def test_api_server_restart_keeps_routing_and_the_watch_resumes(
     routes_only_to(url, {f"{hosts[1]}:{port}"}, 5.0, "b after the restart (watch resumed)")
 
 
-def test_config_map_weight_change_applies_without_restart(admin_api, picker_release, hosts, ports, labels,
-                                                         gateway) -> None:
+def test_config_map_weight_change_applies_without_restart(
+    admin_api, picker_release, hosts, ports, labels, gateway
+) -> None:
     """A weight edited in the ConfigMap is what the running picker (same PID) scores with within
     a second, as its decision log shows."""
     picker, url = gateway

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -27,8 +27,9 @@ def backends(log_dir: Path) -> Iterator[tuple[list[str], object]]:
 def stack(request: pytest.FixtureRequest, backends, log_dir: Path) -> Iterator[Stack]:
     addresses, proc = backends
     mode = request.param
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--max-body-bytes", str(3 << 20),
-                          name=f"picker-{mode}")
+    picker = start_picker(
+        log_dir, "--endpoints", ",".join(addresses), "--max-body-bytes", str(3 << 20), name=f"picker-{mode}"
+    )
     try:
         envoy = start_envoy(mode, picker.grpc_port, log_dir, name=f"envoy-{mode}")
     except Exception:

@@ -15,15 +15,32 @@ import yaml
 from picker.bench.process import wait_until
 
 SMALL = [
-    "--workload", "shared-prefix", "--pods", "2", "--profile", "tiny", "--groups", "4", "--system-prompt-len", "256",
-    "--question-len", "16", "--output-len", "4", "--rate", "10", "--no-plots",
+    "--workload",
+    "shared-prefix",
+    "--pods",
+    "2",
+    "--profile",
+    "tiny",
+    "--groups",
+    "4",
+    "--system-prompt-len",
+    "256",
+    "--question-len",
+    "16",
+    "--output-len",
+    "4",
+    "--rate",
+    "10",
+    "--no-plots",
 ]
 
 
 def bench(out: Path, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "picker.cli", "bench", "--out", str(out), *SMALL, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -112,8 +129,10 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
 
 def test_a_system_that_cannot_start_is_reported_and_cleaned_up(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
-    config.write_text("apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-                      "plugins:\n- type: no-such-plugin\n")
+    config.write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        "plugins:\n- type: no-such-plugin\n"
+    )
     proc = bench(tmp_path / "out", "--systems", "picker:bad", "--picker-config", f"bad={config}", "--duration", "2")
     output = finish(proc, 60)
     assert proc.returncode == 1, output

@@ -15,7 +15,7 @@ from aiohttp import web
 from picker.bench import workloads as w
 from picker.bench.bound import infinite_cache_hit_ratio
 from picker.bench.loadgen import UNFINISHED, LoadOptions, Progress, run_load
-from picker.sim.tokenizer import encode, render_chat
+from picker.prefix.builtin_tokenizer import encode, render_chat
 
 FIRST_TOKEN_DELAY = 0.15
 
@@ -38,16 +38,25 @@ class RecordingServer:
         if self.hang:
             await self.release.wait()
         prompt_tokens = len(encode(body["prompt"])) if "prompt" in body else len(encode(render_chat(body["messages"])))
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "x-inference-pod": f"pod-{len(self.bodies) % 2}"})
+        resp = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "x-inference-pod": f"pod-{len(self.bodies) % 2}"}
+        )
         await resp.prepare(request)
         chat = "messages" in body
-        await resp.write(b"data: " + orjson.dumps({"choices": [{"delta": {"role": "assistant"}} if chat else {"text": ""}]}) + b"\n\n")
+        await resp.write(
+            b"data: "
+            + orjson.dumps({"choices": [{"delta": {"role": "assistant"}} if chat else {"text": ""}]})
+            + b"\n\n"
+        )
         await asyncio.sleep(FIRST_TOKEN_DELAY)  # the simulated model's time to first token
         for _ in range(body["max_tokens"]):
             choice = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
             await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"],
-                 "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2}}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2},
+        }
         await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
         return resp
 
@@ -78,7 +87,9 @@ async def test_streaming_measures_ttft_usage_and_pod(server) -> None:
     for r in results:
         assert r.error is None
         assert FIRST_TOKEN_DELAY <= r.ttft_s < r.e2e_s < FIRST_TOKEN_DELAY + 1.5
-        assert r.prompt_tokens == len(encode(render_chat([{"role": "system", "content": "x " * 40}, {"role": "user", "content": "y " * 5}])))
+        assert r.prompt_tokens == len(
+            encode(render_chat([{"role": "system", "content": "x " * 40}, {"role": "user", "content": "y " * 5}]))
+        )
         assert r.cached_tokens == r.prompt_tokens // 2 and r.output_tokens == 4
         assert r.pod in ("pod-0", "pod-1")
     sent = rec.bodies[0]
@@ -110,12 +121,15 @@ async def test_multi_turn_turns_follow_each_other(server) -> None:
 
 async def test_errors_and_unfinished_requests_are_counted(server) -> None:
     rec, url = server
-    failing = w.Session(0.0, (w.Prompt(2, messages=(("user", "fail"),)), w.Prompt(2, messages=(("user", "never sent"),))), (0.0,))
+    failing = w.Session(
+        0.0, (w.Prompt(2, messages=(("user", "fail"),)), w.Prompt(2, messages=(("user", "never sent"),))), (0.0,)
+    )
     results = await run_load([failing], LoadOptions(url, "m"))
     assert len(results) == 1 and results[0].error.startswith("HTTP 500")  # the conversation stops there
     rec.hang = True
-    results = await run_load([w.Session(0.0, (w.Prompt(2, messages=(("user", "hi"),)),))],
-                                LoadOptions(url, "m", drain_timeout_s=0.3))
+    results = await run_load(
+        [w.Session(0.0, (w.Prompt(2, messages=(("user", "hi"),)),))], LoadOptions(url, "m", drain_timeout_s=0.3)
+    )
     assert [r.error for r in results] == [UNFINISHED]
 
 

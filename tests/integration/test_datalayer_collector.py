@@ -13,14 +13,14 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from picker.datalayer.collector import MetricsCollector
-from picker.datalayer.engines import ENGINE_LABEL_KEY
-from picker.datalayer.example_pages import (
+from picker.bench.metric_pages import (
     sglang_page,
     triton_page,
     trtllm_page,
     vllm_page,
 )
+from picker.datalayer.collector import MetricsCollector
+from picker.datalayer.engines import ENGINE_LABEL_KEY
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 
@@ -92,7 +92,9 @@ class PageServer:
 class RawServer:
     """A bare TCP server running `handle` per connection (for servers that misbehave at the HTTP level)."""
 
-    def __init__(self, host: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> None:
+    def __init__(
+        self, host: str, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+    ) -> None:
         self.host = host
         self.connections = 0
         self._handle = handle
@@ -167,7 +169,9 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         )
         collector = await _collect(stack, datastore, interval=0.05)
         servers = (vllm, sglang, trtllm, triton)
-        await until(lambda: all(datastore.metrics(s.endpoint.address).update_time > 0 for s in servers), what="first scrapes")
+        await until(
+            lambda: all(datastore.metrics(s.endpoint.address).update_time > 0 for s in servers), what="first scrapes"
+        )
 
         m = datastore.metrics(vllm.endpoint.address)
         assert (m.waiting_queue_size, m.running_requests_size, m.kv_cache_usage) == (3, 12, 0.42)
@@ -178,7 +182,12 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         m = datastore.metrics(trtllm.endpoint.address)
         assert (m.waiting_queue_size, m.running_requests_size, m.kv_cache_usage, m.cache_block_size) == (2, 8, 0.25, 32)
         m = datastore.metrics(triton.endpoint.address)
-        assert (m.waiting_queue_size, m.running_requests_size, m.kv_cache_usage, m.cache_num_blocks) == (4, 16, 0.5, 4096)
+        assert (m.waiting_queue_size, m.running_requests_size, m.kv_cache_usage, m.cache_num_blocks) == (
+            4,
+            16,
+            0.5,
+            4096,
+        )
         assert collector.active_endpoints() == {s.endpoint.address for s in servers}
 
         vllm.page = vllm_page(waiting=9, running=1, kv_usage=0.9, legacy_kv_name=True)
@@ -194,7 +203,9 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         await until(lambda: datastore.metrics(vllm.endpoint.address).waiting_queue_size == 17, what="sglang values")
 
 
-async def test_malformed_nan_and_missing_families_keep_old_values_and_log_once(caplog: pytest.LogCaptureFixture) -> None:
+async def test_malformed_nan_and_missing_families_keep_old_values_and_log_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="picker.datalayer.collector")
     datastore = Datastore()
     async with AsyncExitStack() as stack:
@@ -250,9 +261,11 @@ async def test_pages_over_the_size_cap_are_refused_without_stalling_others() -> 
         datastore.set_endpoints([sized.endpoint, chunked.endpoint, small.endpoint])
         await _collect(stack, datastore, interval=0.1)
         await until(
-            lambda: errors(sized.endpoint.address, "page_too_large") >= 2
-            and errors(chunked.endpoint.address, "page_too_large") >= 2
-            and scrapes(small.endpoint.address) >= 3,
+            lambda: (
+                errors(sized.endpoint.address, "page_too_large") >= 2
+                and errors(chunked.endpoint.address, "page_too_large") >= 2
+                and scrapes(small.endpoint.address) >= 3
+            ),
             what="page too large errors while the small page keeps being scraped",
         )
         assert datastore.metrics(sized.endpoint.address).update_time == 0
@@ -261,8 +274,10 @@ async def test_pages_over_the_size_cap_are_refused_without_stalling_others() -> 
         # Under the cap, a multi-megabyte page still parses.
         sized.page = chunked.page = big[:3_000_000].rsplit(b"\n", 1)[0] + b"\n"
         await until(
-            lambda: datastore.metrics(sized.endpoint.address).update_time > 0
-            and datastore.metrics(chunked.endpoint.address).update_time > 0,
+            lambda: (
+                datastore.metrics(sized.endpoint.address).update_time > 0
+                and datastore.metrics(chunked.endpoint.address).update_time > 0
+            ),
             what="3 MB pages parsed",
         )
         assert datastore.metrics(chunked.endpoint.address).waiting_queue_size == 3
@@ -331,9 +346,11 @@ async def test_servers_that_close_or_refuse_connections_are_errors_not_crashes()
         datastore.set_endpoints([closing.endpoint, partial.endpoint, good.endpoint, refused_endpoint])
         await _collect(stack, datastore, interval=0.05)
         await until(
-            lambda: errors(closing.endpoint.address, "disconnect") >= 3
-            and errors(partial.endpoint.address, "disconnect") >= 3
-            and errors(refused_endpoint.address, "connect") >= 3,
+            lambda: (
+                errors(closing.endpoint.address, "disconnect") >= 3
+                and errors(partial.endpoint.address, "disconnect") >= 3
+                and errors(refused_endpoint.address, "connect") >= 3
+            ),
             what="errors from misbehaving servers",
         )
         assert closing.connections >= 3

@@ -10,7 +10,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from tests.stack import Stack, loopback_addresses
+from tests.stack import Stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,10 +61,9 @@ async def test_a_one_mebibyte_body_arrives_byte_for_byte(stack: Stack) -> None:
 
 
 async def test_headers_only_request_is_picked_at_once(stack: Stack) -> None:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(stack.envoy.url + "/v1/models") as r:
-            assert r.status == 200
-            answer = await r.json()
+    async with aiohttp.ClientSession() as session, session.get(stack.envoy.url + "/v1/models") as r:
+        assert r.status == 200
+        answer = await r.json()
     assert answer["backend"] in stack.backends
     assert answer["headers"]["x-gateway-destination-endpoint"] == answer["backend"]
 
@@ -83,7 +82,9 @@ async def test_streamed_sse_passes_through_intact_and_usage_is_counted(stack: St
     if stack.mode == "buffered":
         return  # the minimal config sends no response phases, so the picker sees no usage
     await _until(lambda: metric(stack, "inference_objective_input_tokens_count") == before + 1)
-    assert metric(stack, "inference_objective_prompt_cached_tokens_sum") >= usage["prompt_tokens_details"]["cached_tokens"]
+    assert (
+        metric(stack, "inference_objective_prompt_cached_tokens_sum") >= usage["prompt_tokens_details"]["cached_tokens"]
+    )
 
 
 async def _until(condition, timeout: float = 5.0) -> None:
@@ -120,9 +121,14 @@ async def test_two_hundred_concurrent_requests_none_misrouted(stack: Stack) -> N
     connector = aiohttp.TCPConnector(limit=200)
     async with aiohttp.ClientSession(connector=connector) as session:
         results = await asyncio.gather(
-            *(post(session, stack.envoy.url + "/v1/chat/completions",
-                   json.dumps({"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).encode())
-              for i in range(200))
+            *(
+                post(
+                    session,
+                    stack.envoy.url + "/v1/chat/completions",
+                    json.dumps({"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).encode(),
+                )
+                for i in range(200)
+            )
         )
     assert all(status == 200 for status, _, _ in results)
     answers = [json.loads(body) for _, _, body in results]

@@ -14,12 +14,13 @@ from grpc_health.v1 import health_pb2
 
 from picker.bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
 from picker.bench.process import free_port, wait_until
-from tests.stack import health_status, loopback_addresses, start_picker
+from tests.stack import health_status, start_picker
 
 
 def post(url: str, body: dict, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -30,29 +31,40 @@ def post(url: str, body: dict, headers: dict | None = None, timeout: float = 5) 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in MANIFESTS.glob("*.yaml")))
 def test_shipped_envoy_configs_validate(config: str) -> None:
-    result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(MANIFESTS / config)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(MANIFESTS / config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def subset_hint_config(picker_port: int) -> dict:
     """The duplex gateway plus a test-only filter that copies a request header into the
     `envoy.lb.subset_hint` metadata that a gateway would set, forwarded to the picker."""
-    config = picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", picker_port),
-                           ("127.0.0.1", free_port()))
+    config = picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", picker_port), ("127.0.0.1", free_port()))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"].insert(0, {
-        "name": "envoy.filters.http.header_to_metadata",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
-            "request_rules": [{
-                "header": "x-test-subset",
-                "on_header_present": {"metadata_namespace": "envoy.lb.subset_hint",
-                                      "key": "x-gateway-destination-endpoint-subset", "type": "STRING"},
-                "remove": True,
-            }],
+    hcm["http_filters"].insert(
+        0,
+        {
+            "name": "envoy.filters.http.header_to_metadata",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+                "request_rules": [
+                    {
+                        "header": "x-test-subset",
+                        "on_header_present": {
+                            "metadata_namespace": "envoy.lb.subset_hint",
+                            "key": "x-gateway-destination-endpoint-subset",
+                            "type": "STRING",
+                        },
+                        "remove": True,
+                    }
+                ],
+            },
         },
-    })
+    )
     ext_proc = hcm["http_filters"][1]["typed_config"]
     ext_proc["metadata_options"]["forwarding_namespaces"] = {"untyped": ["envoy.lb.subset_hint"]}
     return config
@@ -81,9 +93,13 @@ def test_no_endpoints_gives_503_until_the_file_lists_one(backends, log_dir: Path
     endpoints = tmp_path / "endpoints.yaml"
     endpoints.write_text("[]\n")
     picker = start_picker(log_dir, "--endpoints-file", str(endpoints), name="picker-file")
-    envoy = EnvoyProcess("envoy-file", picker_config("duplex", ("127.0.0.1", free_port()),
-                                                     ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())),
-                         log_dir).start()
+    envoy = EnvoyProcess(
+        "envoy-file",
+        picker_config(
+            "duplex", ("127.0.0.1", free_port()), ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())
+        ),
+        log_dir,
+    ).start()
     try:
         envoy.wait_ready(envoy.ready)
         url = envoy.url + "/v1/completions"
@@ -104,9 +120,11 @@ def test_routing_resumes_after_the_picker_restarts(backends, log_dir: Path) -> N
     addresses, _ = backends
     port = free_port()
     picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name="picker-r1", grpc_port=port)
-    envoy = EnvoyProcess("envoy-restart", picker_config("duplex", ("127.0.0.1", free_port()),
-                                                        ("127.0.0.1", port), ("127.0.0.1", free_port())),
-                         log_dir).start()
+    envoy = EnvoyProcess(
+        "envoy-restart",
+        picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", port), ("127.0.0.1", free_port())),
+        log_dir,
+    ).start()
     try:
         envoy.wait_ready(envoy.ready)
         url = envoy.url + "/v1/completions"
@@ -129,8 +147,9 @@ def test_streamed_mode_routes_and_delivers_the_body(backends, log_dir: Path, ear
     on the headers (Envoy has forwarded them already) and the body passes through."""
     addresses, _ = backends
     picker = start_picker(log_dir, "--endpoints", ",".join(addresses), name=f"picker-streamed-{early_body}")
-    config = picker_config("buffered", ("127.0.0.1", free_port()), ("127.0.0.1", picker.grpc_port),
-                           ("127.0.0.1", free_port()))
+    config = picker_config(
+        "buffered", ("127.0.0.1", free_port()), ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())
+    )
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     ext_proc = hcm["http_filters"][0]["typed_config"]
     ext_proc["processing_mode"]["request_body_mode"] = "STREAMED"
@@ -156,9 +175,13 @@ def test_sigterm_drains_reporting_not_serving_while_still_routing(backends, log_
     `--shutdown-delay`, then the process exits by itself."""
     addresses, _ = backends
     picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--shutdown-delay", "3s", name="picker-drain")
-    envoy = EnvoyProcess("envoy-drain", picker_config("duplex", ("127.0.0.1", free_port()),
-                                                      ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())),
-                         log_dir).start()
+    envoy = EnvoyProcess(
+        "envoy-drain",
+        picker_config(
+            "duplex", ("127.0.0.1", free_port()), ("127.0.0.1", picker.grpc_port), ("127.0.0.1", free_port())
+        ),
+        log_dir,
+    ).start()
     try:
         envoy.wait_ready(envoy.ready)
         url = envoy.url + "/v1/completions"

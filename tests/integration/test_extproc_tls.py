@@ -23,10 +23,9 @@ def served_common_name(port: int) -> str:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     context.set_alpn_protocols(["h2"])
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-        with context.wrap_socket(raw) as tls:
-            assert tls.selected_alpn_protocol() == "h2"
-            cert = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(raw) as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        cert = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
     return cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
 
 
@@ -39,8 +38,11 @@ def write_certificate(directory: Path, name: str) -> None:
 
 
 def route_once(envoy_url: str) -> dict:
-    req = urllib.request.Request(envoy_url + "/v1/completions", data=json.dumps({"model": "m", "prompt": "x"}).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        envoy_url + "/v1/completions",
+        data=json.dumps({"model": "m", "prompt": "x"}).encode(),
+        headers={"content-type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
@@ -48,7 +50,9 @@ def route_once(envoy_url: str) -> dict:
 def test_certificate_directory_is_served_and_reloaded(backends, log_dir: Path, tmp_path: Path) -> None:
     addresses, _ = backends
     write_certificate(tmp_path, "first")
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--cert-path", str(tmp_path), name="picker-certs")
+    picker = start_picker(
+        log_dir, "--endpoints", ",".join(addresses), "--cert-path", str(tmp_path), name="picker-certs"
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-certs")
     try:
         assert served_common_name(picker.grpc_port) == "first"

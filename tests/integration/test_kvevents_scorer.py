@@ -6,14 +6,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from picker.config.runtime import RuntimeHolder
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
+from picker.framework.parameters import PluginConfigError
+from picker.framework.plugin import SchedulingResult
+from picker.framework.request import Api, InferenceRequest
 from picker.kvevents.decode import BlockStored
 from picker.kvevents.plugins import PreciseConfig, PreciseScorer
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.request.model import Api, InferenceRequest
-from picker.scheduling.registry import PluginConfigError
+from picker.requestcontrol.director import schedule
 from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -21,7 +23,9 @@ MODEL = "m"
 
 
 def config(block_size: int = 4, ttl: str = "2s") -> str:
-    return HEADER + f"""
+    return (
+        HEADER
+        + f"""
 plugins:
 - type: precise-prefix-cache-scorer
   parameters: {{kvEventsPort: null, modelName: {MODEL}, blockSizeTokens: {block_size}, speculativeTTL: {ttl}}}
@@ -30,6 +34,7 @@ schedulingProfiles:
 - name: default
   plugins: [{{pluginRef: precise-prefix-cache-scorer}}, {{pluginRef: max-score-picker}}]
 """
+    )
 
 
 def request(tokens: list[int], rid: str, salt: str | None = None) -> InferenceRequest:
@@ -41,6 +46,12 @@ def stored(tokens: list[int], size: int = 4) -> BlockStored:
 
 
 PROMPT = list(range(1, 41))
+
+
+def pre_request(runtime: Runtime, request: InferenceRequest, result: SchedulingResult) -> None:
+    """The runtime's PreRequest hooks, as the director runs them after a pick."""
+    for step in runtime.pre_request:
+        step.plugin.pre_request(request, result)
 
 
 async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -> None:
@@ -56,13 +67,16 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
     assert isinstance(scorer, PreciseScorer)
     try:
-        first = request(PROMPT, "r1")
-        runtime.scheduler.schedule(first, datastore.snapshot())  # starts the subscriber lazily
+        await holder.start()  # the installed config's background work: the subscriber
         for p in publishers:
             await p.subscribed()
         publishers[1].publish(stored(PROMPT[:32]))
-        await until(lambda: scorer.index.score(token_block_hashes(PROMPT, 4, chain_seed(MODEL)), [endpoints[1].address])[0] == 0.8)
-        result = runtime.scheduler.schedule(request(PROMPT, "r2"), datastore.snapshot())
+        await until(
+            lambda: (
+                scorer.index.score(token_block_hashes(PROMPT, 4, chain_seed(MODEL)), [endpoints[1].address])[0] == 0.8
+            )
+        )
+        result = schedule(runtime, request(PROMPT, "r2"), datastore.snapshot())
         assert result.targets[0].address == endpoints[1].address
         assert result.profile_results["default"].scores[scorer.name] == [0.0, 0.8]
         assert scorer.index.own_keys(endpoints[0].address) == {}
@@ -70,12 +84,16 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
 
         # After a pick the target is predicted to hold the whole prompt (speculative entries).
         other = list(range(100, 140))
-        picked = runtime.scheduler.schedule(request(other, "r3"), datastore.snapshot())
-        runtime.pre_request(request(other, "r3"), picked)
-        again = runtime.scheduler.schedule(request(other, "r4"), datastore.snapshot())
+        picked = schedule(runtime, request(other, "r3"), datastore.snapshot())
+        pre_request(runtime, request(other, "r3"), picked)
+        again = schedule(runtime, request(other, "r4"), datastore.snapshot())
         target = picked.targets[0].address
-        scores = dict(zip((c.address for c in again.profile_results["default"].candidates),
-                          again.profile_results["default"].scores[scorer.name]))
+        scores = dict(
+            zip(
+                (c.address for c in again.profile_results["default"].candidates),
+                again.profile_results["default"].scores[scorer.name],
+            )
+        )
         assert scores[target] == 1.0 and again.targets[0].address == target
 
         # A reload with the same parameters keeps the warm index; changed ones replace it.
@@ -84,8 +102,7 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
         assert replaced.index is not scorer.index
         await until(lambda: not scorer.runtime.subscriber.started, what="the old subscriber to stop")
     finally:
-        await holder.current.plugins["precise-prefix-cache-scorer"].runtime.subscriber.stop()
-        await scorer.runtime.subscriber.stop()
+        await holder.stop()
         for p in publishers:
             await p.close()
         ctx.term()
@@ -97,20 +114,22 @@ async def test_a_salted_request_maps_the_engines_blocks_into_its_scope() -> None
     datastore = Datastore()
     endpoint = Endpoint(HOST, 9000, kv_events_address=publisher.address)
     datastore.set_endpoints([endpoint])
-    runtime = RuntimeHolder(datastore).load_text(config(block_size=16, ttl="0s"))  # only events count
+    holder = RuntimeHolder(datastore)
+    runtime = holder.load_text(config(block_size=16, ttl="0s"))  # only events count
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
     try:
+        await holder.start()
         salted = request(PROMPT * 2, "s1", salt="tenant-a")
-        result = runtime.scheduler.schedule(salted, datastore.snapshot())
+        result = schedule(runtime, salted, datastore.snapshot())
         await publisher.subscribed()
-        runtime.pre_request(salted, result)
+        pre_request(runtime, salted, result)
         publisher.publish(stored(PROMPT * 2, 16))  # the engine's event carries no salt
         salted_keys = token_block_hashes(PROMPT * 2, 16, chain_seed(MODEL, "tenant-a"))
         await until(lambda: scorer.index.score(salted_keys, [endpoint.address]) == [1.0], what="the salted chain")
-        plain = runtime.scheduler.schedule(request(PROMPT * 2, "p1"), datastore.snapshot())
+        plain = schedule(runtime, request(PROMPT * 2, "p1"), datastore.snapshot())
         assert plain.profile_results["default"].scores[scorer.name] == [0.0]
     finally:
-        await scorer.runtime.subscriber.stop()
+        await holder.stop()
         await publisher.close()
         ctx.term()
 
@@ -132,6 +151,12 @@ def test_bad_parameters_are_named(parameters: dict, message: str) -> None:
 
 
 def test_parameters_have_the_documented_defaults() -> None:
-    parsed, _ = PreciseConfig.parse({"kvEventsReplayPort": 5558, "tierWeights": {"cpu": 0.5}, "speculativeTTL": "500ms"})
-    assert (parsed.subscriber.port, parsed.subscriber.replay_port, parsed.subscriber.topic_filter) == (5557, 5558, "kv@")
+    parsed, _ = PreciseConfig.parse(
+        {"kvEventsReplayPort": 5558, "tierWeights": {"cpu": 0.5}, "speculativeTTL": "500ms"}
+    )
+    assert (parsed.subscriber.port, parsed.subscriber.replay_port, parsed.subscriber.topic_filter) == (
+        5557,
+        5558,
+        "kv@",
+    )
     assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)

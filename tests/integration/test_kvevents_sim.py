@@ -25,9 +25,9 @@ import zmq.asyncio
 
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
+from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.prefix.precise import PreciseIndex
 from picker.sim.kvcache import block_hashes as sim_block_hashes
 from picker.telemetry import metrics
 
@@ -67,11 +67,36 @@ def _start_sim(encoding: str) -> tuple[subprocess.Popen[str], int, int]:
     kv_port = _free_port_on(hosts, set())
     replay_port = _free_port_on(hosts, {kv_port})
     process = subprocess.Popen(
-        [sys.executable, "-m", "picker.cli", "sim", "--pods", "2", "--distinct-hosts", "--host", hosts[0],
-         "--base-port", "0", "--kv-events-base-port", str(kv_port), "--kv-events-replay-base-port", str(replay_port),
-         "--kv-events-format", encoding, "--profile", "tiny", "--time-scale", "20", "--num-gpu-blocks", "48",
-         "--model", MODEL],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "sim",
+            "--pods",
+            "2",
+            "--distinct-hosts",
+            "--host",
+            hosts[0],
+            "--base-port",
+            "0",
+            "--kv-events-base-port",
+            str(kv_port),
+            "--kv-events-replay-base-port",
+            str(replay_port),
+            "--kv-events-format",
+            encoding,
+            "--profile",
+            "tiny",
+            "--time-scale",
+            "20",
+            "--num-gpu-blocks",
+            "48",
+            "--model",
+            MODEL,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     return process, kv_port, replay_port
 
@@ -230,7 +255,9 @@ async def test_index_mirrors_sim_pods_through_eviction_gaps_and_crashes(sims: di
 
 
 @pytest.mark.parametrize("encoding", ["positional", "map"])
-async def test_a_gap_without_replay_excludes_the_pod_until_its_cache_is_cleared(sims: dict[str, Sim], encoding: str) -> None:
+async def test_a_gap_without_replay_excludes_the_pod_until_its_cache_is_cleared(
+    sims: dict[str, Sim], encoding: str
+) -> None:
     sim = sims[encoding]
     index = PreciseIndex(BLOCK)
     subscriber = await _subscribe(sim, index, replay=False)

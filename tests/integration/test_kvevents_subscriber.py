@@ -24,15 +24,15 @@ from picker.kvevents.decode import (
     EventBatch,
     KVEvent,
 )
-from picker.kvevents.encode import ENCODINGS, Encoding, encode_batch, encode_message
+from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import (
     KVEventSubscriber,
     SubscriberConfig,
     data_parallel_ranks,
 )
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.prefix.precise import PreciseIndex
 from picker.telemetry import metrics
+from tests.kv_event_encoder import ENCODINGS, Encoding, encode_batch, encode_message
 
 HOST = "127.0.0.1"
 MODEL = "m"
@@ -51,8 +51,9 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str =
 class Publisher:
     """One engine's KV-event publisher: numbered batches, a replay buffer, fault switches."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, port: int = 0, replay_port: int | None = None,
-                 encoding: Encoding = "positional") -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, port: int = 0, replay_port: int | None = None, encoding: Encoding = "positional"
+    ) -> None:
         self.ctx = ctx
         self.encoding = encoding
         self.topic = f"kv@{HOST}:8000@{MODEL}"
@@ -126,8 +127,9 @@ def _bind(socket: zmq.asyncio.Socket, port: int) -> int:
 
 def stored(tokens: list[int], first: int = 0) -> BlockStored:
     hashes = token_block_hashes(tokens, SIZE, 77)  # the engine's own chain, unrelated to the picker's
-    return BlockStored(tuple(hashes[first:]), hashes[first - 1] if first else None,
-                       tuple(tokens[first * SIZE :]), SIZE, medium="GPU")
+    return BlockStored(
+        tuple(hashes[first:]), hashes[first - 1] if first else None, tuple(tokens[first * SIZE :]), SIZE, medium="GPU"
+    )
 
 
 def engine_keys(tokens: list[int]) -> list[int]:
@@ -262,7 +264,13 @@ async def test_decode_errors_are_counted_and_never_stop_the_subscriber(harness: 
     # A numbered message whose payload is garbage lost its events: the endpoint goes unknown.
     pub.send_raw([pub.topic.encode(), pub.seq.to_bytes(8, "big"), b"\xc1garbage"])
     pub.seq += 1
-    pub.send_raw([pub.topic.encode(), pub.seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, (BlockStored((1,), None, (1,), 0),)))])
+    pub.send_raw(
+        [
+            pub.topic.encode(),
+            pub.seq.to_bytes(8, "big"),
+            encode_batch(EventBatch(0.0, (BlockStored((1,), None, (1,), 0),))),
+        ]
+    )
     pub.seq += 1
     await until(lambda: counter(metrics.KV_EVENT_DECODE_ERRORS, ep) == errors + 4, what="four decode errors")
     assert not harness.index.is_known(ep)
@@ -320,7 +328,9 @@ async def test_endpoints_follow_the_datastore(harness: Harness) -> None:
     assert harness.index.score(own_keys(PROMPT), [a, b]) == [0.0, 0.5]
     third = Publisher(harness.ctx)
     harness.publishers.append(third)
-    harness.datastore.set_endpoints([*harness.datastore.endpoints().values(), Endpoint(HOST, 9100, kv_events_address=third.address)])
+    harness.datastore.set_endpoints(
+        [*harness.datastore.endpoints().values(), Endpoint(HOST, 9100, kv_events_address=third.address)]
+    )
     await third.subscribed()
     third.publish(stored(OTHER))
     await until(lambda: harness.index.score(own_keys(OTHER), [f"{HOST}:9100"]) == [1.0], what="the new endpoint")
@@ -339,13 +349,18 @@ def test_replay_address_is_shifted_with_the_publisher_port() -> None:
     assert subscriber.replay_address(rank2) == "tcp://10.1.2.3:5602"
     assert subscriber.publisher_address(Endpoint("10.1.2.3", 8001), 1) == "tcp://10.1.2.3:5558"
     assert subscriber.replay_address(Endpoint("10.1.2.3", 8001), 1) == "tcp://10.1.2.3:5601"
-    assert KVEventSubscriber(PreciseIndex(), Datastore(), SubscriberConfig(port=None)).publisher_address(
-        Endpoint("::1", 8000)
-    ) is None
-    assert KVEventSubscriber(PreciseIndex(), Datastore(), SubscriberConfig(port=5557)).publisher_address(
-        Endpoint("fd00::1", 8000)
-    ) == "tcp://[fd00::1]:5557"
-
+    assert (
+        KVEventSubscriber(PreciseIndex(), Datastore(), SubscriberConfig(port=None)).publisher_address(
+            Endpoint("::1", 8000)
+        )
+        is None
+    )
+    assert (
+        KVEventSubscriber(PreciseIndex(), Datastore(), SubscriberConfig(port=5557)).publisher_address(
+            Endpoint("fd00::1", 8000)
+        )
+        == "tcp://[fd00::1]:5557"
+    )
 
 
 async def test_a_restarted_publisher_that_ran_ahead_is_not_taken_for_a_gap(harness: Harness) -> None:

@@ -51,8 +51,9 @@ def post(url: str, headers: dict[str, str] | None = None, timeout: float = 10, m
     """(status, the sim pod that answered or '') of one completion through Envoy; status 0 when
     the connection broke mid-response."""
     body = json.dumps({"model": MODEL, "prompt": "fault test", "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -72,8 +73,9 @@ def gauge(metrics_port: int, name: str, endpoint: str | None = None) -> float:
 
 
 def set_fault(address: str, **faults: object) -> None:
-    req = urllib.request.Request(f"http://{address}/sim/fault", data=json.dumps(faults).encode(),
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{address}/sim/fault", data=json.dumps(faults).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         assert r.status == 200
 
@@ -105,8 +107,16 @@ def test_a_model_server_killed_mid_request_releases_its_slots_and_is_avoided_onc
     doomed_proc, doomed, healthy = doomed_and_healthy_pods
     endpoints = tmp_path / "endpoints.yaml"
     endpoints.write_text("".join(f"- {a}\n" for a in (doomed, *healthy)))
-    picker = start_picker(log_dir, "--endpoints-file", str(endpoints), "--config-text", PINNED_CONFIG,
-                          "--metrics-staleness-threshold", "500ms", name="picker-pod-dies")
+    picker = start_picker(
+        log_dir,
+        "--endpoints-file",
+        str(endpoints),
+        "--config-text",
+        PINNED_CONFIG,
+        "--metrics-staleness-threshold",
+        "500ms",
+        name="picker-pod-dies",
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-pod-dies")
     try:
         port = picker.metrics_port
@@ -125,8 +135,11 @@ def test_a_model_server_killed_mid_request_releases_its_slots_and_is_avoided_onc
         assert all(status == 200 and pod in healthy for status, pod in outcomes), outcomes
         # Discovery drops it: it stays out.
         endpoints.write_text("".join(f"- {a}\n" for a in healthy))
-        wait_until(lambda: f"{endpoints}: 2 endpoints" in picker.process.log_path.read_text(), 10,
-                   "the picker to re-read the endpoints file")
+        wait_until(
+            lambda: f"{endpoints}: 2 endpoints" in picker.process.log_path.read_text(),
+            10,
+            "the picker to re-read the endpoints file",
+        )
         served = [post(envoy.url, anywhere) for _ in range(30)]
         assert all(status == 200 and pod in healthy for status, pod in served), served
         assert picker.process.alive()
@@ -139,8 +152,9 @@ def test_envoy_killed_mid_request_releases_the_pickers_slots_and_a_new_envoy_rou
     doomed_and_healthy_pods, log_dir: Path
 ) -> None:
     _, busy, healthy = doomed_and_healthy_pods
-    picker = start_picker(log_dir, "--endpoints", ",".join([busy, *healthy]), "--config-text", PINNED_CONFIG,
-                          name="picker-envoy-dies")
+    picker = start_picker(
+        log_dir, "--endpoints", ",".join([busy, *healthy]), "--config-text", PINNED_CONFIG, name="picker-envoy-dies"
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-dies")
     try:
         pool, futures = _in_flight_on(envoy.url, busy, 3)
@@ -167,9 +181,16 @@ def test_metrics_pages_that_hang_or_are_garbage_go_stale_and_never_block_routing
     try:
         set_fault(hanging, metrics_delay=3600)
         set_fault(garbage, metrics_garbage=True)
-        picker = start_picker(log_dir, "--endpoints", ",".join([hanging, garbage, fine]),
-                              "--metrics-staleness-threshold", "500ms", "--refresh-prometheus-metrics-interval", "100ms",
-                              name="picker-bad-metrics")
+        picker = start_picker(
+            log_dir,
+            "--endpoints",
+            ",".join([hanging, garbage, fine]),
+            "--metrics-staleness-threshold",
+            "500ms",
+            "--refresh-prometheus-metrics-interval",
+            "100ms",
+            name="picker-bad-metrics",
+        )
         envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-bad-metrics")
         port = picker.metrics_port
 
@@ -222,9 +243,11 @@ def restart_under_load(addresses: list[str], log_dir: Path, sig: signal.Signals)
     picker starts on the same port."""
     port = free_port()
     picker = start_picker(log_dir, "--endpoints", ",".join(addresses), grpc_port=port, name=f"picker-load-{sig.name}")
-    envoy = EnvoyProcess(f"envoy-load-{sig.name}", picker_config("duplex", ("127.0.0.1", free_port()),
-                                                                 ("127.0.0.1", port), ("127.0.0.1", free_port())),
-                         log_dir).start()
+    envoy = EnvoyProcess(
+        f"envoy-load-{sig.name}",
+        picker_config("duplex", ("127.0.0.1", free_port()), ("127.0.0.1", port), ("127.0.0.1", free_port())),
+        log_dir,
+    ).start()
     results: list[tuple[float, float, int]] = []  # (start, end, status)
     stop = threading.Event()
 
@@ -243,8 +266,9 @@ def restart_under_load(addresses: list[str], log_dir: Path, sig: signal.Signals)
         stopped_at = time.monotonic()
         os.killpg(picker.process.pid, sig)
         picker.process.proc.wait(10)
-        picker = start_picker(log_dir, "--endpoints", ",".join(addresses), grpc_port=port,
-                              name=f"picker-load-{sig.name}-2")
+        picker = start_picker(
+            log_dir, "--endpoints", ",".join(addresses), grpc_port=port, name=f"picker-load-{sig.name}-2"
+        )
         ready_at = time.monotonic()
         wait_until(lambda: any(b > ready_at and s == 200 for b, _, s in results[-4:]), 10, "routing to resume")
         resumed = time.monotonic()
@@ -313,8 +337,11 @@ def test_fail_open_routes_without_the_picker_only_where_the_client_says(backends
 
 def post_raw(url: str, headers: dict[str, str]) -> tuple[int, str]:
     """(status, the test backend that answered or '') of one completion through Envoy."""
-    req = urllib.request.Request(url + "/v1/completions", data=b'{"model": "m", "prompt": "x"}',
-                                 headers={"content-type": "application/json", **headers})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=b'{"model": "m", "prompt": "x"}',
+        headers={"content-type": "application/json", **headers},
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())["backend"]

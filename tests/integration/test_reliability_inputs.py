@@ -62,7 +62,9 @@ def default_stack(request: pytest.FixtureRequest, backends, log_dir: Path) -> It
     picker.stop()
 
 
-async def send(url: str, body: bytes | None, headers: CIMultiDict | dict, method: str = "POST") -> tuple[int, CIMultiDict, bytes]:
+async def send(
+    url: str, body: bytes | None, headers: CIMultiDict | dict, method: str = "POST"
+) -> tuple[int, CIMultiDict, bytes]:
     async with aiohttp.ClientSession() as session, session.request(method, url, data=body, headers=headers) as r:
         return r.status, CIMultiDict(r.headers), await r.read()
 
@@ -72,8 +74,14 @@ JSON = {"content-type": "application/json"}
 # (case, path, body, headers, expected status, expected error code or None for a routed request)
 CASES = [
     ("text/plain content type, JSON body", "/v1/completions", completion(), {"content-type": "text/plain"}, 200, None),
-    ("form content type and body", "/v1/completions", b"model=m&prompt=x",
-     {"content-type": "application/x-www-form-urlencoded"}, 400, "BadRequest"),
+    (
+        "form content type and body",
+        "/v1/completions",
+        b"model=m&prompt=x",
+        {"content-type": "application/x-www-form-urlencoded"},
+        400,
+        "BadRequest",
+    ),
     ("no content type", "/v1/completions", completion(), {}, 200, None),
     ("unknown path, completions body", "/v2/whatever", completion(), JSON, 200, None),
     ("unknown path, no prompt", "/not/an/api", b'{"model": "m"}', JSON, 400, "BadRequest"),
@@ -81,21 +89,45 @@ CASES = [
     ("10 MB prompt", "/v1/completions", TEN_MB_PROMPT, JSON, 200, None),
     ("JSON nested 500 deep in an unread field", "/v1/completions", nested(500), JSON, 200, None),
     ("JSON nested 100000 deep", "/v1/completions", nested(100_000), JSON, 400, "BadRequest"),
-    ("invalid UTF-8 in the prompt", "/v1/completions", b'{"model": "m", "prompt": "\xff\xfe\xfd"}', JSON, 400, "BadRequest"),
+    (
+        "invalid UTF-8 in the prompt",
+        "/v1/completions",
+        b'{"model": "m", "prompt": "\xff\xfe\xfd"}',
+        JSON,
+        400,
+        "BadRequest",
+    ),
     ("lone surrogate escape", "/v1/completions", b'{"model": "m", "prompt": "\\ud800"}', JSON, 400, "BadRequest"),
     ("JSON array body", "/v1/completions", b"[]", JSON, 400, "BadRequest"),
     ("JSON null body", "/v1/completions", b"null", JSON, 400, "BadRequest"),
     ("empty messages", "/v1/chat/completions", b'{"model": "m", "messages": []}', JSON, 400, "BadRequest"),
     ("messages is a string", "/v1/chat/completions", b'{"model": "m", "messages": "hi"}', JSON, 400, "BadRequest"),
-    ("message without role", "/v1/chat/completions", b'{"model": "m", "messages": [{"content": "hi"}]}', JSON, 400,
-     "BadRequest"),
-    ("stream is a string", "/v1/completions", b'{"model": "m", "prompt": "x", "stream": "yes"}', JSON, 400,
-     "BadRequest"),
-    ("cache_salt is a number", "/v1/completions", b'{"model": "m", "prompt": "x", "cache_salt": 5}', JSON, 400,
-     "BadRequest"),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        b'{"model": "m", "messages": [{"content": "hi"}]}',
+        JSON,
+        400,
+        "BadRequest",
+    ),
+    (
+        "stream is a string",
+        "/v1/completions",
+        b'{"model": "m", "prompt": "x", "stream": "yes"}',
+        JSON,
+        400,
+        "BadRequest",
+    ),
+    (
+        "cache_salt is a number",
+        "/v1/completions",
+        b'{"model": "m", "prompt": "x", "cache_salt": 5}',
+        JSON,
+        400,
+        "BadRequest",
+    ),
     ("empty model", "/v1/completions", b'{"model": "", "prompt": "x"}', JSON, 400, "BadRequest"),
-    ("token id out of range", "/v1/completions", b'{"model": "m", "prompt": [1, 4294967296]}', JSON, 400,
-     "BadRequest"),
+    ("token id out of range", "/v1/completions", b'{"model": "m", "prompt": [1, 4294967296]}', JSON, 400, "BadRequest"),
     ("embeddings without input", "/v1/embeddings", b'{"model": "m"}', JSON, 400, "BadRequest"),
     ("responses input is a number", "/v1/responses", b'{"model": "m", "input": 3}', JSON, 400, "BadRequest"),
 ]
@@ -142,9 +174,12 @@ def _raw_chunked_post(host: str, port: int, body: bytes, trailers: bool) -> tupl
     """One HTTP/1.1 request whose body is sent in 1-byte chunks (optionally with trailers)."""
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"transfer-encoding: chunked\r\nconnection: close\r\n" + (b"trailer: x-check\r\n" if trailers else b"")
-                     + b"\r\n")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\nconnection: close\r\n"
+            + (b"trailer: x-check\r\n" if trailers else b"")
+            + b"\r\n"
+        )
         for byte in body:
             sock.sendall(b"1\r\n" + bytes([byte]) + b"\r\n")
         sock.sendall(b"0\r\n" + (b"x-check: done\r\n" if trailers else b"") + b"\r\n")
@@ -156,11 +191,13 @@ def _raw_chunked_post(host: str, port: int, body: bytes, trailers: bool) -> tupl
 
 
 @pytest.mark.parametrize("trailers", [False, True])
-async def test_a_body_in_one_byte_chunks_with_or_without_trailers_is_routed(default_stack: Stack, trailers: bool) -> None:
+async def test_a_body_in_one_byte_chunks_with_or_without_trailers_is_routed(
+    default_stack: Stack, trailers: bool
+) -> None:
     body = completion("sent one byte at a time")
     status, payload = await asyncio.to_thread(_raw_chunked_post, *default_stack.envoy.listen, body, trailers)
     assert status == 200, payload
-    answer = json.loads(payload[payload.index(b"{"):payload.rindex(b"}") + 1])
+    answer = json.loads(payload[payload.index(b"{") : payload.rindex(b"}") + 1])
     assert answer["body_sha256"] == hashlib.sha256(body).hexdigest()
     assert answer["headers"]["x-gateway-destination-endpoint"] == answer["backend"]
 
@@ -169,14 +206,16 @@ async def _burst(url: str, rounds: int) -> None:
     """Large and bad requests, a few at a time; every one must get its answer."""
     bad = [b"{not json", nested(100_000), b'{"model": "m", "prompt": "\xff"}', b'{"model": "m", "messages": []}']
     async with aiohttp.ClientSession() as session:
+
         async def one(body: bytes, path: str = "/v1/completions") -> int:
             async with session.post(url + path, data=body, headers=JSON) as r:
                 await r.read()
                 return r.status
 
         for _ in range(rounds):
-            statuses = await asyncio.gather(one(TEN_MB_PROMPT), one(TEN_MB_PROMPT), *(one(b) for b in bad * 5),
-                                            one(bad[3], "/v1/chat/completions"))
+            statuses = await asyncio.gather(
+                one(TEN_MB_PROMPT), one(TEN_MB_PROMPT), *(one(b) for b in bad * 5), one(bad[3], "/v1/chat/completions")
+            )
             assert statuses[:2] == [200, 200] and set(statuses[2:]) == {400}, statuses
 
 

@@ -8,8 +8,9 @@ from picker.bench.soak import SoakOptions, run_soak
 
 
 def test_thirty_second_soak_loses_nothing_and_stays_bounded(log_dir: Path) -> None:
-    options = SoakOptions(seconds=30, rate=20, pods=3, warmup_s=6, window_s=6, lru_capacity=200,
-                          log_dir=log_dir / "soak")
+    options = SoakOptions(
+        seconds=30, rate=20, pods=3, warmup_s=6, window_s=6, lru_capacity=200, log_dir=log_dir / "soak"
+    )
     report = run_soak(options)
     assert report.sent >= 550
     assert report.lost == 0, report.summary()

@@ -15,8 +15,11 @@ from tests.stack import start_envoy, start_picker
 
 
 def post(url: str, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"model": "m", "prompt": "x"}).encode(),
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({"model": "m", "prompt": "x"}).encode(),
+        headers={"content-type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.status, json.loads(r.read())
@@ -59,8 +62,9 @@ def test_sheddable_requests_get_429_while_the_pool_is_saturated(backends, log_di
         "metadata: {name: chat}\nspec: {priority: 10, poolRef: {name: pool}}\n"
     )
     # The stand-in backends serve no /metrics, so every endpoint is stale: saturated.
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--objectives-file", str(objectives),
-                          name="picker-shed")
+    picker = start_picker(
+        log_dir, "--endpoints", ",".join(addresses), "--objectives-file", str(objectives), name="picker-shed"
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-shed")
     try:
         status, answer = post(envoy.url, {"x-gateway-inference-objective": "batch"})
@@ -90,14 +94,21 @@ def test_config_flips_under_load_lose_no_request(backends, log_dir: Path, tmp_pa
 
     def follows(is_pinned: bool, since: float) -> bool:
         recent = [b for t, _, b in results[-6:] if t > since]
-        return len(recent) >= 3 and (all(b == pinned for b in recent) if is_pinned else any(b != pinned for b in recent))
+        return len(recent) >= 3 and (
+            all(b == pinned for b in recent) if is_pinned else any(b != pinned for b in recent)
+        )
 
     worker = threading.Thread(target=load)
     worker.start()
     try:
         wait_until(lambda: follows(True, 0), 5, "the first decisions")
-        for text, is_pinned in ((config(False), False), ("kind: Nonsense\n", False), (config(True), True),
-                                ("plugins: [", True), (config(False), False)):
+        for text, is_pinned in (
+            (config(False), False),
+            ("kind: Nonsense\n", False),
+            (config(True), True),
+            ("plugins: [", True),
+            (config(False), False),
+        ):
             changed = time.monotonic()
             replace(path, text)
             wait_until(lambda: follows(is_pinned, changed), 5.0, f"decisions to follow the config (pinned={is_pinned})")
@@ -112,7 +123,9 @@ def test_config_flips_under_load_lose_no_request(backends, log_dir: Path, tmp_pa
 
 def test_debug_decisions_explain_every_score(backends, log_dir: Path) -> None:
     addresses, _ = backends
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--enable-debug-decisions", name="picker-explain")
+    picker = start_picker(
+        log_dir, "--endpoints", ",".join(addresses), "--enable-debug-decisions", name="picker-explain"
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-explain")
     try:
         status, answer = post(envoy.url)

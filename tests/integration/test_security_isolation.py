@@ -46,8 +46,15 @@ def latest_prefix_scores(metrics_port: int) -> dict[str, float]:
 @pytest.mark.parametrize("scope", ["tenant-header", "cache_salt"])
 def test_tenant_b_is_not_steered_by_tenant_a_history(backends, log_dir: Path, scope: str) -> None:
     addresses, _ = backends
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--tenant-header", "x-tenant",
-                          "--enable-debug-decisions", name=f"picker-tenants-{scope}")
+    picker = start_picker(
+        log_dir,
+        "--endpoints",
+        ",".join(addresses),
+        "--tenant-header",
+        "x-tenant",
+        "--enable-debug-decisions",
+        name=f"picker-tenants-{scope}",
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name=f"envoy-tenants-{scope}")
 
     def send(tenant: str) -> dict[str, float]:
@@ -74,15 +81,26 @@ def test_tenant_b_is_not_steered_by_tenant_a_history(backends, log_dir: Path, sc
 
 def test_no_prompt_text_in_the_log_at_the_default_level(backends, log_dir: Path) -> None:
     addresses, _ = backends
-    picker = start_picker(log_dir, "--endpoints", ",".join(addresses), "--max-body-bytes", str(64 << 10),
-                          "--tenant-header", "x-tenant", name="picker-log-privacy")
+    picker = start_picker(
+        log_dir,
+        "--endpoints",
+        ",".join(addresses),
+        "--max-body-bytes",
+        str(64 << 10),
+        "--tenant-header",
+        "x-tenant",
+        name="picker-log-privacy",
+    )
     envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-log-privacy")
     try:
         requests = [
             (json.dumps({"model": "m", "prompt": SHARED_PROMPT}).encode(), "/v1/completions", 200),
             (json.dumps({"model": "m", "prompt": SHARED_PROMPT, "stream": True}).encode(), "/v1/completions", 200),
-            (json.dumps({"model": "m", "messages": [{"role": "user", "content": SHARED_PROMPT}]}).encode(),
-             "/v1/chat/completions", 200),
+            (
+                json.dumps({"model": "m", "messages": [{"role": "user", "content": SHARED_PROMPT}]}).encode(),
+                "/v1/chat/completions",
+                200,
+            ),
             (b'{"model": "m", "prompt": "' + SECRET.encode() + b'"', "/v1/completions", 400),  # truncated JSON
             (json.dumps({"model": "m", "prompt": 5, "note": SECRET}).encode(), "/v1/completions", 400),
             (json.dumps({"model": SECRET, "messages": SECRET}).encode(), "/v1/chat/completions", 400),

@@ -18,8 +18,22 @@ def _get(url: str) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_pods_lines_then_ready_and_sigterm_stops_cleanly() -> None:
-    proc, lines = start_sim(["--pods", "3", "--host", "127.0.0.1", "--base-port", "0", "--kv-events-base-port", "0",
-                             "--profile", "tiny", "--model", "m1"])
+    proc, lines = start_sim(
+        [
+            "--pods",
+            "3",
+            "--host",
+            "127.0.0.1",
+            "--base-port",
+            "0",
+            "--kv-events-base-port",
+            "0",
+            "--profile",
+            "tiny",
+            "--model",
+            "m1",
+        ]
+    )
     try:
         assert len(lines) == 3
         for i, line in enumerate(lines):
@@ -35,8 +49,9 @@ def test_pods_lines_then_ready_and_sigterm_stops_cleanly() -> None:
 
 
 def test_distinct_hosts_put_each_pod_on_its_own_address() -> None:
-    proc, lines = start_sim(["--pods", "2", "--host", "127.0.0.11", "--base-port", "0", "--distinct-hosts",
-                             "--profile", "tiny"])
+    proc, lines = start_sim(
+        ["--pods", "2", "--host", "127.0.0.11", "--base-port", "0", "--distinct-hosts", "--profile", "tiny"]
+    )
     try:
         ips = [LINE.match(line).group(2) for line in lines]  # type: ignore[union-attr]
         assert ips == ["127.0.0.11", "127.0.0.12"]
@@ -54,8 +69,9 @@ def test_bad_flags_give_a_clear_error_not_a_traceback() -> None:
         (["--error-rate", "3"], "fraction"),
         (["--tokenizer", "/no/such/dir", "--base-port", "0"], "/no/such/dir"),
     ):
-        result = subprocess.run([sys.executable, "-m", "picker.cli", "sim", *args], capture_output=True, text=True,
-                                timeout=30)
+        result = subprocess.run(
+            [sys.executable, "-m", "picker.cli", "sim", *args], capture_output=True, text=True, timeout=30
+        )
         assert result.returncode != 0, args
         assert text in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr

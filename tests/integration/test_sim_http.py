@@ -10,8 +10,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.prefix.builtin_tokenizer import encode, render_chat
 from picker.sim import Fleet, FleetConfig
-from picker.sim.tokenizer import encode, render_chat
 from tests.sim_fixtures import eventually
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(600))  # 600 tokens
@@ -19,8 +19,16 @@ LONG_PROMPT = " ".join(f"word{i}" for i in range(600))  # 600 tokens
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
-    fleet = Fleet(FleetConfig(pods=2, profile="llama3-8b-h100", time_scale=1.0, num_gpu_blocks=400, max_loras=1,
-                              lora_modules=("support-adapter",)))
+    fleet = Fleet(
+        FleetConfig(
+            pods=2,
+            profile="llama3-8b-h100",
+            time_scale=1.0,
+            num_gpu_blocks=400,
+            max_loras=1,
+            lora_modules=("support-adapter",),
+        )
+    )
     await fleet.start()
     try:
         yield fleet
@@ -45,7 +53,7 @@ async def _sse(resp: aiohttp.ClientResponse) -> tuple[list[dict], bool, float]:
         if not line:
             continue
         assert line.startswith("data: ")
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             done = True
             continue
@@ -59,8 +67,14 @@ async def _sse(resp: aiohttp.ClientResponse) -> tuple[list[dict], bool, float]:
 
 async def test_completion_reports_cached_whole_blocks_and_lower_ttft(fleet: Fleet, http) -> None:
     url = fleet.pods[0].url + "/v1/completions"
-    body = {"model": "sim-model", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}, "some_unknown_field": {"x": 1}}
+    body = {
+        "model": "sim-model",
+        "prompt": LONG_PROMPT,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "some_unknown_field": {"x": 1},
+    }
     ttfts, usages = [], []
     for _ in range(2):
         async with http.post(url, json=body) as resp:
@@ -87,11 +101,16 @@ async def test_non_streaming_completion_and_chat(fleet: Fleet, http) -> None:
         data = await resp.json()
     assert data["object"] == "text_completion" and data["choices"][0]["finish_reason"] == "length"
     assert len(data["choices"][0]["text"].split()) == 3
-    assert data["usage"] == {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert data["usage"] == {
+        "prompt_tokens": 2,
+        "total_tokens": 5,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
-    async with http.post(pod.url + "/v1/chat/completions",
-                         json={"model": "sim-model", "messages": messages, "max_completion_tokens": 2}) as resp:
+    async with http.post(
+        pod.url + "/v1/chat/completions", json={"model": "sim-model", "messages": messages, "max_completion_tokens": 2}
+    ) as resp:
         chat = await resp.json()
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"]["role"] == "assistant"
@@ -114,7 +133,12 @@ async def test_tokenize_render_models_and_probes(fleet: Fleet, http) -> None:
     base = fleet.pods[0].url
     async with http.post(base + "/tokenize", json={"model": "sim-model", "prompt": "Hi, you!"}) as resp:
         tok = await resp.json()
-    assert tok == {"count": 4, "max_model_len": 32768, "tokens": encode("Hi, you!"), "token_strs": ["Hi", ",", "you", "!"]}
+    assert tok == {
+        "count": 4,
+        "max_model_len": 32768,
+        "tokens": encode("Hi, you!"),
+        "token_strs": ["Hi", ",", "you", "!"],
+    }
     messages = [{"role": "user", "content": "Hi"}]
     async with http.post(base + "/tokenize", json={"messages": messages}) as resp:
         assert (await resp.json())["tokens"] == encode(render_chat(messages))
@@ -154,7 +178,9 @@ async def test_bad_requests_get_clear_errors(fleet: Fleet, http) -> None:
 async def test_lora_adapters_load_on_demand(fleet: Fleet, http) -> None:
     pod = fleet.pods[0]
     for model in ("sim-model-lora-x", "support-adapter"):
-        async with http.post(pod.url + "/v1/completions", json={"model": model, "prompt": LONG_PROMPT[:200], "max_tokens": 1}) as resp:
+        async with http.post(
+            pod.url + "/v1/completions", json={"model": model, "prompt": LONG_PROMPT[:200], "max_tokens": 1}
+        ) as resp:
             assert resp.status == 200
             assert (await resp.json())["model"] == model
     assert list(pod.engine.loaded_loras) == ["support-adapter"]  # max_loras=1: x was swapped out
@@ -172,19 +198,33 @@ async def test_metrics_page_parses_with_vllm_names(fleet: Fleet, http) -> None:
         families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert families[name].type == "gauge"
-    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
-                 "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions"):
+    for name in (
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:num_preemptions",
+    ):
         assert families[name].type == "counter", name
         assert all(s.name == name + "_total" for s in families[name].samples)
-    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-                 "vllm:request_prefill_time_seconds"):
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+    ):
         assert families[name].type == "histogram", name
     config = families["vllm:cache_config_info"].samples[0].labels
     assert config["block_size"] == "16" and config["num_gpu_blocks"] == "400"
     queries = families["vllm:prefix_cache_queries"].samples[0]
     assert queries.value == 600 and queries.labels == {"engine": "0", "model_name": "sim-model"}
-    ttft = {s.labels.get("le"): s.value for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")}
+    ttft = {
+        s.labels.get("le"): s.value
+        for s in families["vllm:time_to_first_token_seconds"].samples
+        if s.name.endswith("_bucket")
+    }
     assert ttft["0.001"] == 0 and ttft["+Inf"] == 1
     assert families["vllm:generation_tokens"].samples[0].value == 3
 

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
+from picker.prefix.builtin_tokenizer import encode
 from picker.sim import Fleet, FleetConfig
 from picker.sim.kvcache import block_hashes
-from picker.sim.tokenizer import encode
 from tests.sim_fixtures import BlockSetSubscriber
 
 
@@ -23,8 +23,15 @@ async def zmq_ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def _start(fmt: str, **overrides) -> Fleet:
-    cfg = dict(pods=2, profile="tiny", time_scale=20, num_gpu_blocks=40, kv_events_base_port=0,
-               kv_replay_base_port=0, kv_events_format=fmt)
+    cfg = dict(
+        pods=2,
+        profile="tiny",
+        time_scale=20,
+        num_gpu_blocks=40,
+        kv_events_base_port=0,
+        kv_replay_base_port=0,
+        kv_events_format=fmt,
+    )
     cfg.update(overrides)
     fleet = Fleet(FleetConfig(**cfg))
     await fleet.start()
@@ -53,7 +60,12 @@ async def test_subscriber_reproduces_cached_blocks_under_eviction(fmt: str, zmq_
         async with aiohttp.ClientSession() as http:
             for round_ in range(3):  # 40 blocks per pod: later rounds evict earlier ones
                 for i, pod in enumerate(fleet.pods):
-                    await _load(http, pod.url, _prompts(4, 48, f"r{round_}p{i}"), lora="sim-model-lora-a" if round_ == 1 else None)
+                    await _load(
+                        http,
+                        pod.url,
+                        _prompts(4, 48, f"r{round_}p{i}"),
+                        lora="sim-model-lora-a" if round_ == 1 else None,
+                    )
         for pod, sub in zip(fleet.pods, subs, strict=True):
             await sub.sync_until(lambda sub=sub, pod=pod: sub.blocks == set(pod.engine.cache.refs))
             assert sub.topics == {f"kv@{pod.address}@sim-model".encode()}

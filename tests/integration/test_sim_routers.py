@@ -36,8 +36,19 @@ def sim_pods() -> Iterator[list[str]]:
 
 def _router_command(kind: str, port: int, workers: list[str]) -> list[str]:
     if kind == "sglang":
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *workers, "--policy", "cache_aware"]
+        return [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            "cache_aware",
+        ]
     exe = shutil.which("vllm-router", path=str(VENV_BIN)) or "vllm-router"
     return [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", "cache_aware"]
 
@@ -54,8 +65,9 @@ async def _served_requests(http: aiohttp.ClientSession, url: str) -> float:
 async def test_router_routes_to_sim_pods(kind: str, sim_pods: list[str], tmp_path: Path) -> None:
     port = _free_port()
     log = (tmp_path / f"{kind}.log").open("w")
-    router = subprocess.Popen(_router_command(kind, port, sim_pods), stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    router = subprocess.Popen(
+        _router_command(kind, port, sim_pods), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
@@ -66,7 +78,9 @@ async def test_router_routes_to_sim_pods(kind: str, sim_pods: list[str], tmp_pat
             async def completion_ok() -> bool:
                 nonlocal pings
                 try:
-                    async with http.post(base + "/v1/completions", json={"model": "sim-model", "prompt": "ping", "max_tokens": 1}) as r:
+                    async with http.post(
+                        base + "/v1/completions", json={"model": "sim-model", "prompt": "ping", "max_tokens": 1}
+                    ) as r:
                         pings += r.status == 200
                         return r.status == 200
                 except aiohttp.ClientError:
@@ -75,8 +89,12 @@ async def test_router_routes_to_sim_pods(kind: str, sim_pods: list[str], tmp_pat
             await eventually(completion_ok, deadline_s=30)
 
             async def one(i: int) -> str:
-                body = {"model": "sim-model", "max_tokens": 4, "stream": i % 2 == 0,
-                        "messages": [{"role": "user", "content": f"question {i} " + "context " * (i * 7)}]}
+                body = {
+                    "model": "sim-model",
+                    "max_tokens": 4,
+                    "stream": i % 2 == 0,
+                    "messages": [{"role": "user", "content": f"question {i} " + "context " * (i * 7)}],
+                }
                 async with http.post(base + "/v1/chat/completions", json=body) as resp:
                     assert resp.status == 200, await resp.text()
                     text = await resp.text()

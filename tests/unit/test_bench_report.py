@@ -13,10 +13,18 @@ from picker.bench.stats import histogram_decision_time, percentile, summarize
 from picker.bench.systems import parse_systems
 
 
-def result(due: float, ttft: float | None, pod: str | None, error: str | None = None, prompt: int = 100,
-           cached: int = 50, output: int = 10) -> RequestResult:
-    return RequestResult(0, 0, due, ttft, None if error else ttft * 2 if ttft else None, prompt, cached, output,
-                         pod, error)
+def result(
+    due: float,
+    ttft: float | None,
+    pod: str | None,
+    error: str | None = None,
+    prompt: int = 100,
+    cached: int = 50,
+    output: int = 10,
+) -> RequestResult:
+    return RequestResult(
+        0, 0, due, ttft, None if error else ttft * 2 if ttft else None, prompt, cached, output, pod, error
+    )
 
 
 def test_percentile_interpolates() -> None:
@@ -28,7 +36,9 @@ def test_percentile_interpolates() -> None:
 
 def test_summarize_counts_hits_errors_and_spread() -> None:
     results = [
-        result(0.0, 0.1, "sim-0"), result(0.5, 0.2, "sim-0"), result(1.0, 0.3, "sim-1"),
+        result(0.0, 0.1, "sim-0"),
+        result(0.5, 0.2, "sim-0"),
+        result(1.0, 0.3, "sim-1"),
         result(1.5, None, None, error="HTTP 503: no healthy upstream"),
     ]
     s = summarize(results, num_pods=2)
@@ -71,7 +81,16 @@ def test_results_json_report_and_plots(tmp_path: Path) -> None:
     plots = report.write(bench, tmp_path)
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["bound_hit_ratio"] == 0.8
-    keys = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "output_tokens_per_s", "hit_ratio", "requests", "errors"}
+    keys = {
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "e2e_p50_s",
+        "output_tokens_per_s",
+        "hit_ratio",
+        "requests",
+        "errors",
+    }
     assert keys <= set(data["systems"]["picker"]) and data["systems"]["picker"]["hit_ratio"] == pytest.approx(0.7)
     assert data["failures"] == {"vllm-router-cache-aware": "exited early"}
     for name in plots.values():
@@ -84,13 +103,17 @@ def test_results_json_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_parse_systems() -> None:
-    specs = parse_systems(["round-robin", "picker:approx", "sglang-cache-aware", "external:http://10.0.0.1:80/"],
-                          {"approx": Path("/x.yaml")})
+    specs = parse_systems(
+        ["round-robin", "picker:approx", "sglang-cache-aware", "external:http://10.0.0.1:80/"],
+        {"approx": Path("/x.yaml")},
+    )
     assert [s.kind for s in specs] == ["round-robin", "picker", "sglang-cache-aware", "external"]
     assert specs[1].config_file == Path("/x.yaml") and specs[3].url == "http://10.0.0.1:80"
     for bad, message in [
-        (["nginx"], "unknown system"), (["picker:nolabel"], "no --picker-config"),
-        (["external:ftp://x"], "need a URL"), (["round-robin:3"], "take an argument"),
+        (["nginx"], "unknown system"),
+        (["picker:nolabel"], "no --picker-config"),
+        (["external:ftp://x"], "need a URL"),
+        (["round-robin:3"], "take an argument"),
         (["round-robin", "round-robin"], "named twice"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -118,8 +141,21 @@ def test_cli_rejects_bad_input_without_a_traceback(argv: list[str], message: str
 
 
 def test_bounds_only_prints_what_no_router_can_beat_and_starts_nothing(capsys, tmp_path: Path) -> None:
-    argv = ["--bounds-only", "--workload", "shared-prefix", "--groups", "4", "--duration", "5", "--pods", "2",
-            "--num-gpu-blocks", "64", "--out", str(tmp_path)]
+    argv = [
+        "--bounds-only",
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "4",
+        "--duration",
+        "5",
+        "--pods",
+        "2",
+        "--num-gpu-blocks",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "infinite-cache bound" in out and "fleet-cache bound" in out and "TTFT floor p50/p90/p99" in out
@@ -130,12 +166,14 @@ def test_demo_runs_a_valid_plan_and_summarizes_it(tmp_path: Path) -> None:
     plan = cli.plan_from_args(cli.build_parser().parse_args(demo.demo_argv(tmp_path, 40)))
     assert [s.name for s in plan.systems] == ["round-robin", "picker"]
     assert plan.fleet.pods == 4 and plan.workload == "shared-prefix"
-    text = demo.summary({
-        "bound_hit_ratio": 0.9,
-        "systems": {
-            "round-robin": {"hit_ratio": 0.35, "ttft_p50_s": 0.4, "ttft_p99_s": 1.2},
-            "picker": {"hit_ratio": 0.85, "ttft_p50_s": 0.05, "ttft_p99_s": 0.3},
-        },
-    })
+    text = demo.summary(
+        {
+            "bound_hit_ratio": 0.9,
+            "systems": {
+                "round-robin": {"hit_ratio": 0.35, "ttft_p50_s": 0.4, "ttft_p99_s": 1.2},
+                "picker": {"hit_ratio": 0.85, "ttft_p50_s": 0.05, "ttft_p99_s": 0.3},
+            },
+        }
+    )
     assert "picker 85.0%, round robin 35.0% (infinite-cache bound 90.0%)" in text
     assert "TTFT p50: picker 50 ms, round robin 400 ms" in text

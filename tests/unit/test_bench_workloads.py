@@ -13,9 +13,9 @@ from picker.bench import workloads as w
 from picker.bench.bound import PrefixBound, belady_hits, infinite_cache_hit_ratio, prefill_floor_s
 from picker.bench.runner import bounds_of
 from picker.bench.systems import FleetOptions
-from picker.sim.profiles import get_profile
+from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import token_block_hashes
-from picker.sim.tokenizer import encode
+from picker.sim.profiles import get_profile
 
 
 def small_trace(tmp_path: Path, conversations: int = 12, turns: int = 4) -> Path:
@@ -32,7 +32,9 @@ def small_trace(tmp_path: Path, conversations: int = 12, turns: int = 4) -> Path
             ids = ids + list(range(next_id, next_id + fresh))
             next_id += fresh
             length = 512 * (len(ids) - 1) + rng.randint(1, 512)
-            rows.append({"timestamp": int(t), "input_length": length, "output_length": rng.randint(0, 9), "hash_ids": ids})
+            rows.append(
+                {"timestamp": int(t), "input_length": length, "output_length": rng.randint(0, 9), "hash_ids": ids}
+            )
             t += rng.uniform(500, 4000)
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -226,9 +228,14 @@ def test_belady_keeps_what_is_needed_soonest_and_beats_lru() -> None:
     prompts = [([rng.randrange(40) for _ in range(rng.randint(1, 6))], rng.randint(0, 6)) for _ in range(400)]
     for capacity in (1, 5, 20, 40):
         assert _lru_hits(prompts, capacity) <= belady_hits(prompts, capacity)
-    assert belady_hits(prompts, 40) == sum(  # ample capacity: every countable reuse hits
-        1 for i, (blocks, limit) in enumerate(prompts) for j, b in enumerate(blocks)
-        if j < limit and any(b in earlier for earlier, _ in prompts[:i])
+    assert (
+        belady_hits(prompts, 40)
+        == sum(  # ample capacity: every countable reuse hits
+            1
+            for i, (blocks, limit) in enumerate(prompts)
+            for j, b in enumerate(blocks)
+            if j < limit and any(b in earlier for earlier, _ in prompts[:i])
+        )
     )
 
 

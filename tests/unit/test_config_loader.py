@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import pytest
 import yaml
@@ -12,9 +13,12 @@ from picker.config import cli
 from picker.config.loader import build, default_config, parse_file, parse_text, to_yaml
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import EndpointState
-from picker.request.model import InferenceRequest
-from picker.scheduling import registry
-from picker.scheduling.framework import CycleState, DataProducer, Handle, Scorer
+from picker.framework import registry
+from picker.framework.cycle_state import CycleState, StateKey
+from picker.framework.handle import Handle
+from picker.framework.plugin import DataProducer, Scorer
+from picker.framework.request import InferenceRequest
+from picker.plugins import REGISTRY
 from picker.scheduling.saturation import UtilizationDetector
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -109,7 +113,7 @@ def test_weights_default_to_one_and_empty_profiles_reference_every_filter_scorer
 
 
 def test_default_config_is_the_reference_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(registry._REGISTRY, "prefix-cache-scorer", raising=False)
+    monkeypatch.delitem(REGISTRY.registrations, "prefix-cache-scorer", raising=False)
     profile = default_config().scheduling_profiles[0]
     assert [(r.plugin_ref, r.weight) for r in profile.plugins] == [
         ("queue-scorer", 2.0),
@@ -118,9 +122,12 @@ def test_default_config_is_the_reference_default(monkeypatch: pytest.MonkeyPatch
     build(default_config())
 
 
+PREFIX_MATCH = StateKey("test-prefix-match", bool)
+
+
 class PrefixMatchScorer(Scorer):
     plugin_type = "prefix-cache-scorer"
-    consumes = frozenset({"test-prefix-match"})
+    consumes = frozenset({PREFIX_MATCH})
 
     def score(self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]):
         return [0.0] * len(candidates)
@@ -128,10 +135,10 @@ class PrefixMatchScorer(Scorer):
 
 class PrefixProducer(DataProducer):
     plugin_type = "test-prefix-producer"
-    produces = frozenset({"test-prefix-match"})
+    produces = frozenset({PREFIX_MATCH})
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
-        cycle_state["test-prefix-match"] = True
+        cycle_state[PREFIX_MATCH] = True
 
 
 def _factory(cls: type) -> registry.PluginFactory:
@@ -143,12 +150,12 @@ def _factory(cls: type) -> registry.PluginFactory:
 
 def test_prefix_scorer_joins_the_default_and_its_producer_is_auto_created(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(
-        registry._REGISTRY,
+        REGISTRY.registrations,
         "prefix-cache-scorer",
         registry.Registration("prefix-cache-scorer", _factory(PrefixMatchScorer)),
     )
     monkeypatch.setitem(
-        registry._REGISTRY,
+        REGISTRY.registrations,
         "test-prefix-producer",
         registry.Registration("test-prefix-producer", _factory(PrefixProducer), frozenset({"test-prefix-match"})),
     )
@@ -161,14 +168,11 @@ def test_prefix_scorer_joins_the_default_and_its_producer_is_auto_created(monkey
 
 def test_consumed_key_without_any_producer_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(
-        registry._REGISTRY,
+        REGISTRY.registrations,
         "prefix-cache-scorer",
         registry.Registration("prefix-cache-scorer", _factory(PrefixMatchScorer)),
     )
-    monkeypatch.setattr(registry, "default_producer", lambda key: None)
-    from picker.config import loader
-
-    monkeypatch.setattr(loader, "default_producer", lambda key: None)
+    monkeypatch.setattr(REGISTRY, "default_producer", lambda key: None)
     assert errors_of(HEADER + "plugins: [{type: prefix-cache-scorer}]\n") == [
         'plugin "prefix-cache-scorer" consumes "test-prefix-match" but no plugin produces it'
     ]
@@ -369,7 +373,7 @@ def test_plugin_factory_crash_becomes_a_config_error(monkeypatch: pytest.MonkeyP
     def crash(name: str, parameters: Mapping[str, Any], handle: Handle) -> Any:
         raise KeyError("bug")
 
-    monkeypatch.setitem(registry._REGISTRY, "test-crash", registry.Registration("test-crash", crash))
+    monkeypatch.setitem(REGISTRY.registrations, "test-crash", registry.Registration("test-crash", crash))
     assert errors_of(HEADER + "plugins: [{type: test-crash}]\n") == [
         "plugins[0]: plugin \"test-crash\" failed to start: KeyError: 'bug'"
     ]
@@ -414,8 +418,8 @@ def test_runtime_exposes_the_data_layer_sources_for_the_collector() -> None:
 class CyclicProducer(DataProducer):
     def __init__(self, name: str, produces: str, consumes: str) -> None:
         super().__init__(name)
-        self.produces = frozenset({produces})
-        self.consumes = frozenset({consumes})
+        self.produces = frozenset({StateKey(produces, bool)})
+        self.consumes = frozenset({StateKey(consumes, bool)})
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         cycle_state[next(iter(self.produces))] = True
@@ -424,6 +428,6 @@ class CyclicProducer(DataProducer):
 def test_producers_that_depend_on_each_other_are_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     for plugin_type, produces, consumes in (("test-a", "x", "y"), ("test-b", "y", "x")):
         factory = lambda name, parameters, handle, p=produces, c=consumes: CyclicProducer(name, p, c)  # noqa: E731
-        monkeypatch.setitem(registry._REGISTRY, plugin_type, registry.Registration(plugin_type, factory))
+        monkeypatch.setitem(REGISTRY.registrations, plugin_type, registry.Registration(plugin_type, factory))
     (error,) = errors_of(HEADER + "plugins: [{type: queue-scorer}, {type: test-a}, {type: test-b}]\n")
     assert error.startswith("plugins: data producers depend on each other in a cycle")

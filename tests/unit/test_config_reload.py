@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
+from picker.requestcontrol.director import schedule
 from picker.telemetry.metrics import CONFIG_RELOADS
 from tests.unit.test_scheduling_plugins import request, state
 
@@ -64,7 +65,7 @@ async def test_watch_swaps_valid_configs_and_keeps_the_old_one_on_errors(tmp_pat
         nonlocal decisions
         while True:
             try:
-                result = holder.current.scheduler.schedule(request(), [LOW_KV, SHORT_QUEUE])
+                result = schedule(holder.current, request(), [LOW_KV, SHORT_QUEUE])
                 last_pick[:] = [result.targets[0].address]
                 decisions += 1
             except Exception as error:  # recorded: the test asserts there were none

@@ -5,13 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.datalayer.engines import BUILTIN_ENGINES, engine_spec_from_config
-from picker.datalayer.example_pages import (
+from picker.bench.metric_pages import (
     sglang_page,
     triton_page,
     trtllm_page,
     vllm_page,
 )
+from picker.datalayer.engines import BUILTIN_ENGINES, engine_spec_from_config
 from picker.datalayer.parse import parse_page
 from picker.datastore.endpoint import EndpointMetrics
 
@@ -20,8 +20,14 @@ VLLM = BUILTIN_ENGINES["vllm"]
 
 def test_realistic_vllm_page() -> None:
     page = vllm_page(
-        waiting=7, running=21, kv_usage=0.83, running_adapters="a, b", waiting_adapters="c",
-        max_lora=8, block_size=32, num_gpu_blocks=1234,
+        waiting=7,
+        running=21,
+        kv_usage=0.83,
+        running_adapters="a, b",
+        waiting_adapters="c",
+        max_lora=8,
+        block_size=32,
+        num_gpu_blocks=1234,
     )
     assert 250 <= page.count(b"\n") <= 350  # the benchmark's "300-line page"
     parsed = parse_page(page, VLLM)
@@ -46,15 +52,27 @@ def test_vllm_before_1_3_uses_gpu_cache_usage_perc() -> None:
 
 
 def test_sglang_trtllm_and_triton_pages() -> None:
-    sglang = parse_page(sglang_page(queue=4, running=9, token_usage=0.3, page_size=64, num_pages=100), BUILTIN_ENGINES["sglang"])
+    sglang = parse_page(
+        sglang_page(queue=4, running=9, token_usage=0.3, page_size=64, num_pages=100), BUILTIN_ENGINES["sglang"]
+    )
     assert (sglang.metrics.waiting_queue_size, sglang.metrics.running_requests_size) == (4, 9)
-    assert (sglang.metrics.kv_cache_usage, sglang.metrics.cache_block_size, sglang.metrics.cache_num_blocks) == (0.3, 64, 100)
+    assert (sglang.metrics.kv_cache_usage, sglang.metrics.cache_block_size, sglang.metrics.cache_num_blocks) == (
+        0.3,
+        64,
+        100,
+    )
     assert sglang.missing == frozenset()
 
-    trt = parse_page(trtllm_page(waiting=1, running=2, utilization=0.9, tokens_per_block=64, max_blocks=77), BUILTIN_ENGINES["trtllm-serve"])
+    trt = parse_page(
+        trtllm_page(waiting=1, running=2, utilization=0.9, tokens_per_block=64, max_blocks=77),
+        BUILTIN_ENGINES["trtllm-serve"],
+    )
     assert trt.metrics == EndpointMetrics(1, 2, 0.9, cache_block_size=64, cache_num_blocks=77)
 
-    triton = parse_page(triton_page(waiting=5, scheduled=6, fraction=0.7, tokens_per=128, max_blocks=99), BUILTIN_ENGINES["triton-tensorrt-llm"])
+    triton = parse_page(
+        triton_page(waiting=5, scheduled=6, fraction=0.7, tokens_per=128, max_blocks=99),
+        BUILTIN_ENGINES["triton-tensorrt-llm"],
+    )
     assert triton.metrics == EndpointMetrics(5, 6, 0.7, cache_block_size=128, cache_num_blocks=99)
     assert triton.extracted == 5
 
@@ -97,7 +115,7 @@ def test_escaped_label_values_and_braces_inside_them() -> None:
         b'waiting_lora_adapters="line\\nbreak"} 5\n'
     )
     metrics = parse_page(page, VLLM).metrics
-    assert metrics.active_models == {'a"q"', 'b}\\x'}
+    assert metrics.active_models == {'a"q"', "b}\\x"}
     assert metrics.waiting_models == {"line\nbreak"}
 
 
@@ -161,7 +179,7 @@ def test_longer_names_sharing_a_prefix_are_not_confused() -> None:
 
 
 def test_first_line_crlf_and_missing_final_newline() -> None:
-    page = b"vllm:num_requests_waiting 4\r\nvllm:num_requests_running{a=\"b\"} 5\r\nvllm:kv_cache_usage_perc 0.125"
+    page = b'vllm:num_requests_waiting 4\r\nvllm:num_requests_running{a="b"} 5\r\nvllm:kv_cache_usage_perc 0.125'
     metrics = parse_page(page, VLLM).metrics
     assert (metrics.waiting_queue_size, metrics.running_requests_size, metrics.kv_cache_usage) == (4, 5, 0.125)
 
@@ -189,9 +207,32 @@ def test_random_bytes_never_raise(noise: bytes, engine: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from([
-    b"vllm:num_requests_waiting", b"vllm:lora_requests_info", b"vllm:cache_config_info", b"{", b"}", b'"',
-    b"\\", b"=", b",", b" ", b"\n", b"1", b"NaN", b"block_size", b'max_lora="', b"\t", b"1e400", b"-3",
-]), max_size=40))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                b"vllm:num_requests_waiting",
+                b"vllm:lora_requests_info",
+                b"vllm:cache_config_info",
+                b"{",
+                b"}",
+                b'"',
+                b"\\",
+                b"=",
+                b",",
+                b" ",
+                b"\n",
+                b"1",
+                b"NaN",
+                b"block_size",
+                b'max_lora="',
+                b"\t",
+                b"1e400",
+                b"-3",
+            ]
+        ),
+        max_size=40,
+    )
+)
 def test_shuffled_tokens_never_raise(tokens: list[bytes]) -> None:
     parse_page(b"".join(tokens), VLLM)

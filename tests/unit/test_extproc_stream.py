@@ -10,13 +10,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
-from picker.config.runtime import RuntimeHolder
-from picker.director import Director
 from picker.extproc.messages import BODY_CHUNK_BYTES, BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
 from picker.extproc.servicer import ExtProcSettings, _Stream
 from picker.request.errors import RequestError
+from picker.requestcontrol.director import Director
 
 ENDPOINTS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
 
@@ -27,12 +27,18 @@ def director() -> Director:
     return Director(store, RuntimeHolder(store))
 
 
-def headers(path: str = "/v1/completions", eos: bool = False, mode: int = FULL_DUPLEX_STREAMED,
-            extra: dict[str, str] | None = None) -> pb.ProcessingRequest:
+def headers(
+    path: str = "/v1/completions",
+    eos: bool = False,
+    mode: int = FULL_DUPLEX_STREAMED,
+    extra: dict[str, str] | None = None,
+) -> pb.ProcessingRequest:
     pairs = {":path": path, ":method": "POST", "content-type": "application/json", **(extra or {})}
     req = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
-            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+            ),
             end_of_stream=eos,
         )
     )
@@ -54,7 +60,9 @@ async def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() ->
         assert (await stream.dispatch(body(payload[i : i + 1], False))) == []
     out = await stream.dispatch(body(payload[-1:], True))
     header_response, *chunks = out
-    mutation = {h.header.key: h.header.raw_value for h in header_response.request_headers.response.header_mutation.set_headers}
+    mutation = {
+        h.header.key: h.header.raw_value for h in header_response.request_headers.response.header_mutation.set_headers
+    }
     assert mutation["content-length"] == str(len(payload)).encode()
     assert mutation["x-gateway-destination-endpoint"] in {e.address.encode() for e in ENDPOINTS}
     bodies = [c.request_body.response.body_mutation.streamed_response for c in chunks]
@@ -95,8 +103,11 @@ def message(kind: str, data: bytes, mode: int) -> pb.ProcessingRequest:
     if kind == "rt":
         return pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
     if kind == "sh":
-        return pb.ProcessingRequest(response_headers=pb.HttpHeaders(
-            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
+        return pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+            )
+        )
     if kind in ("sb", "sb_eos"):
         return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=kind == "sb_eos"))
     if kind == "st":
@@ -107,8 +118,16 @@ def message(kind: str, data: bytes, mode: int) -> pb.ProcessingRequest:
 @settings(max_examples=300, deadline=None)
 @given(
     mode=st.sampled_from([BUFFERED, STREAMED, FULL_DUPLEX_STREAMED]),
-    script=st.lists(st.tuples(KINDS, st.binary(max_size=64) | st.sampled_from(
-        [b'{"model":"m","prompt":"x"}', b'data: {"usage":{"prompt_tokens":3}}\n\n', b"\xff\xfe", b"{"])), max_size=12),
+    script=st.lists(
+        st.tuples(
+            KINDS,
+            st.binary(max_size=64)
+            | st.sampled_from(
+                [b'{"model":"m","prompt":"x"}', b'data: {"usage":{"prompt_tokens":3}}\n\n', b"\xff\xfe", b"{"]
+            ),
+        ),
+        max_size=12,
+    ),
 )
 def test_any_message_order_never_breaks_the_stream_and_always_releases(mode: int, script) -> None:
     d = director()

@@ -17,7 +17,7 @@ from picker.kvevents.decode import (
     decode_batch,
     decode_message,
 )
-from picker.kvevents.encode import ENCODINGS, encode_batch, encode_message
+from tests.kv_event_encoder import ENCODINGS, encode_batch, encode_message
 
 U64 = (1 << 64) - 1
 
@@ -63,8 +63,16 @@ def test_map_events_and_map_batch() -> None:
             {
                 "ts": 2,
                 "events": [
-                    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [9, 9],
-                     "block_size": 2, "medium": "GPU", "lora_name": "a", "kv_cache_spec_kind": "full_attention"},
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [9, 9],
+                        "block_size": 2,
+                        "medium": "GPU",
+                        "lora_name": "a",
+                        "kv_cache_spec_kind": "full_attention",
+                    },
                     {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": 0},
                     {"type": "AllBlocksCleared"},
                 ],
@@ -73,7 +81,9 @@ def test_map_events_and_map_batch() -> None:
     )
     assert batch.ts == 2.0 and batch.data_parallel_rank is None
     stored, removed, cleared = batch.events
-    assert stored == BlockStored((1,), None, (9, 9), 2, medium="GPU", lora_name="a", kv_cache_spec_kind="full_attention")
+    assert stored == BlockStored(
+        (1,), None, (9, 9), 2, medium="GPU", lora_name="a", kv_cache_spec_kind="full_attention"
+    )
     assert removed == BlockRemoved((1,), "CPU", 0)
     assert cleared == AllBlocksCleared()
 
@@ -174,8 +184,13 @@ def test_encode_then_decode_round_trips(events: list, rank: int | None, encoding
 
 
 _msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
-    | st.binary(max_size=12) | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=12)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]),
     lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=30,
 )
@@ -203,10 +218,28 @@ def test_fields_of_newer_versions_are_tolerated() -> None:
     """vLLM keeps appending fields (e.g. `locality`); positional extras and unknown keys are ignored."""
     batch = decode_batch(
         msgpack.packb(
-            [0.0, [
-                ["BlockStored", [1], None, [7], 1, None, "GPU", None, None, 0, "full_attention", None, "LOCAL", "x"],
-                {"type": "BlockRemoved", "block_hashes": [1], "locality": "REMOTE"},
-            ]]
+            [
+                0.0,
+                [
+                    [
+                        "BlockStored",
+                        [1],
+                        None,
+                        [7],
+                        1,
+                        None,
+                        "GPU",
+                        None,
+                        None,
+                        0,
+                        "full_attention",
+                        None,
+                        "LOCAL",
+                        "x",
+                    ],
+                    {"type": "BlockRemoved", "block_hashes": [1], "locality": "REMOTE"},
+                ],
+            ]
         )
     )
     assert batch.events == (

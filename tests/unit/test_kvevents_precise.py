@@ -10,8 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from picker.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored
+from picker.kvevents.precise import CPU, GPU, PreciseIndex, TierWeights
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.prefix.precise import CPU, GPU, PreciseIndex, TierWeights
 
 MODEL = "m"
 A, B = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -25,7 +25,9 @@ class Clock:
         return self.now
 
 
-def own(tokens: list[int], size: int = 4, model: str = MODEL, salt: str | None = None, tenant: str | None = None) -> list[int]:
+def own(
+    tokens: list[int], size: int = 4, model: str = MODEL, salt: str | None = None, tenant: str | None = None
+) -> list[int]:
     return token_block_hashes(tokens, size, chain_seed(model, salt, tenant))
 
 
@@ -208,8 +210,15 @@ def test_engine_blocks_are_rechunked_at_the_pickers_block_size(engine_size: int,
     # Three events splitting the chain at engine-block boundaries that are not own-block ones.
     cuts = [0, 3, 7, len(hashes)]
     for lo, hi in itertools.pairwise(cuts):
-        idx.apply(A, BlockStored(tuple(hashes[lo:hi]), hashes[lo - 1] if lo else None,
-                                 tuple(prompt[lo * engine_size : hi * engine_size]), engine_size))
+        idx.apply(
+            A,
+            BlockStored(
+                tuple(hashes[lo:hi]),
+                hashes[lo - 1] if lo else None,
+                tuple(prompt[lo * engine_size : hi * engine_size]),
+                engine_size,
+            ),
+        )
     keys = own(prompt, own_size)
     assert set(idx.own_keys(A)) == set(keys)
     assert idx.score(keys, [A]) == [1.0]
@@ -274,9 +283,14 @@ class ReferenceEngine:
 
 
 @settings(max_examples=80, deadline=None)
-@example(ops=[("request", 0, 2), ("evict-any", 0, 1), ("request", 0, 1)], sizes=(8, 12), seed=0)  # parent-first eviction
+@example(
+    ops=[("request", 0, 2), ("evict-any", 0, 1), ("request", 0, 1)], sizes=(8, 12), seed=0
+)  # parent-first eviction
 @given(
-    ops=st.lists(st.tuples(st.sampled_from(["request", "evict", "evict-any", "clear"]), st.integers(0, 4), st.integers(1, 12)), max_size=25),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["request", "evict", "evict-any", "clear"]), st.integers(0, 4), st.integers(1, 12)),
+        max_size=25,
+    ),
     sizes=st.sampled_from([(4, 4), (4, 8), (8, 4), (4, 16), (8, 12)]),
     seed=st.integers(0, 1000),
 )

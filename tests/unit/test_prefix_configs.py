@@ -37,7 +37,10 @@ def test_reference_approx_is_the_reference_default_on_character_blocks() -> None
 def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
     loaded = build(parse_file(CONFIGS / "picker-best.yaml"))
     assert _weights(loaded) == {
-        "ttft-cost-scorer": 3.0, "prefix-cache-scorer": 2.0, "queue-scorer": 1.0, "cache-fit-scorer": 3.0,
+        "ttft-cost-scorer": 3.0,
+        "prefix-cache-scorer": 2.0,
+        "queue-scorer": 1.0,
+        "cache-fit-scorer": 3.0,
     }
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
     producers = [p for p in loaded.plugins.values() if isinstance(p, ApproxPrefixCacheProducer)]
@@ -48,7 +51,10 @@ def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
 def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publishers() -> None:
     loaded = build(parse_file(CONFIGS / "picker-precise.yaml"))
     assert _weights(loaded) == {
-        "ttft-cost-scorer": 3.0, "precise-prefix-cache-scorer": 2.0, "queue-scorer": 1.0, "cache-fit-scorer": 3.0,
+        "ttft-cost-scorer": 3.0,
+        "precise-prefix-cache-scorer": 2.0,
+        "queue-scorer": 1.0,
+        "cache-fit-scorer": 3.0,
     }
     assert _parameters(loaded, "approx-prefix-cache-producer")["tokenizers"] == {"*": "builtin"}
     assert _parameters(loaded, "ttft-cost-scorer")["interferenceWeight"] == 1

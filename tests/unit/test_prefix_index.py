@@ -7,10 +7,10 @@ import tracemalloc
 
 import xxhash
 
-from picker.prefix.chars import char_block_hashes, char_chain_seed, prompt_bytes
+from picker.framework.request import Api, InferenceRequest, Message
 from picker.prefix import index as index_module
+from picker.prefix.chars import char_block_hashes, char_chain_seed, prompt_bytes
 from picker.prefix.index import PrefixIndex
-from picker.request.model import Api, InferenceRequest, Message
 
 
 def _reference_hashes(data: bytes, block: int, model: str, salt: str, max_blocks: int) -> list[int]:

@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from picker.datastore.endpoint import Endpoint, EndpointMetrics
+from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.store import Datastore
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import PluginConfigError
+from picker.framework.plugin import SchedulingResult
+from picker.framework.request import Api, InferenceRequest, Message, ResponseOutcome, Usage
+from picker.plugins import REGISTRY as PLUGINS
 from picker.prefix.plugins import (
     ENGINE_CACHED_TOKENS_KEY,
     PREFIX_MATCH_KEY,
@@ -26,14 +32,11 @@ from picker.prefix.plugins import (
 )
 from picker.prefix.prompt_blocks import CHARS, TOKENS
 from picker.prefix.ttft import TtftModel
-from picker.request.model import Api, InferenceRequest, Message, ResponseOutcome, Usage
-from picker.scheduling.decisions import DecisionLog
-from picker.scheduling.framework import Handle
 from picker.scheduling.pickers import MaxScorePicker
 from picker.scheduling.profile_handler import SingleProfileHandler
-from picker.scheduling.registry import PluginConfigError, lookup
 from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
 from picker.scheduling.scorers import QueueScorer
+from picker.telemetry.decisions import DecisionLog
 
 ADDRESSES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"]
 
@@ -45,19 +48,36 @@ def _store(addresses: list[str] = ADDRESSES) -> Datastore:
 
 
 def _producer(handle: Handle, **parameters: Any) -> ApproxPrefixCacheProducer:
-    registration = lookup("approx-prefix-cache-producer")
+    registration = PLUGINS.lookup("approx-prefix-cache-producer")
     assert registration is not None
     producer = registration.factory("approx-prefix-cache-producer", parameters, handle)
     assert isinstance(producer, ApproxPrefixCacheProducer)
     return producer
 
 
-def _scheduler(producer: ApproxPrefixCacheProducer, extra: Sequence[WeightedScorer] = ()) -> Scheduler:
+class _PreparingScheduler:
+    """A scheduler whose requests the producer prepares first, as the director does."""
+
+    def __init__(self, producer: ApproxPrefixCacheProducer, scheduler: Scheduler) -> None:
+        self.producer = producer
+        self.scheduler = scheduler
+
+    def schedule(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState | None = None,
+    ) -> SchedulingResult:
+        """Prepare `cycle_state` (a new one by default) with the producer, then schedule."""
+        cycle_state = CycleState() if cycle_state is None else cycle_state
+        self.producer.prepare(request, candidates, cycle_state)
+        return self.scheduler.schedule(request, candidates, cycle_state)
+
+
+def _scheduler(producer: ApproxPrefixCacheProducer, extra: Sequence[WeightedScorer] = ()) -> _PreparingScheduler:
     scorers = [WeightedScorer(PrefixCacheScorer("prefix-cache-scorer"), 3.0), *extra]
-    profile = SchedulerProfile(
-        "default", [], scorers, MaxScorePicker("max-score-picker", rng=random.Random(0))
-    )
-    return Scheduler(SingleProfileHandler("single-profile-handler"), [profile], [producer])
+    profile = SchedulerProfile("default", [], scorers, MaxScorePicker("max-score-picker", rng=random.Random(0)))
+    return _PreparingScheduler(producer, Scheduler(SingleProfileHandler("single-profile-handler"), [profile]))
 
 
 def _completion(
@@ -122,7 +142,7 @@ def test_parameters_follow_the_reference() -> None:
     sizing = producer.config.sizing(_store().snapshot())
     assert (sizing.char_block_tokens, sizing.max_char_blocks) == (8, 10)
     with pytest.raises(PluginConfigError):
-        lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 16}, handle)  # type: ignore[union-attr]
+        PLUGINS.lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 16}, handle)  # type: ignore[union-attr]
 
 
 def test_auto_tune_takes_block_size_and_capacity_from_engine_metrics() -> None:
@@ -246,12 +266,12 @@ def test_async_preparation_is_used_by_prepare_and_token_hashes_are_shared() -> N
         "m",
         messages=(Message("system", PROMPT), Message("user", "hi")),
     )
-    asyncio.run(producer.prepare_async(chat, store.snapshot()))
-    prepared = producer._pending[id(chat)]
-    result = scheduler.schedule(chat, store.snapshot())
+    cycle_state = CycleState()
+    asyncio.run(producer.prepare_async(chat, store.snapshot(), cycle_state))
+    prepared = cycle_state.read(PROMPT_BLOCKS_KEY)
+    result = scheduler.schedule(chat, store.snapshot(), cycle_state)
     assert result.cycle_state[PROMPT_BLOCKS_KEY] is prepared and prepared is not None
     assert prepared.kind == TOKENS and prepared.block_tokens == 16
-    assert not producer._pending
 
 
 def _sample(name: str, labels: dict[str, str]) -> float:
@@ -302,8 +322,7 @@ def test_value_metrics_compare_expected_and_actual_cached_tokens() -> None:
         == expected
     )
     assert (
-        _sample("picker_prefix_saved_prefill_tokens_total", labels)
-        - before["picker_prefix_saved_prefill_tokens_total"]
+        _sample("picker_prefix_saved_prefill_tokens_total", labels) - before["picker_prefix_saved_prefill_tokens_total"]
         == expected - 16
     )
     assert (
@@ -311,8 +330,7 @@ def test_value_metrics_compare_expected_and_actual_cached_tokens() -> None:
         == blocks.prompt_tokens
     )
     saved_seconds = (
-        _sample("picker_prefix_saved_gpu_seconds_total", labels)
-        - before["picker_prefix_saved_gpu_seconds_total"]
+        _sample("picker_prefix_saved_gpu_seconds_total", labels) - before["picker_prefix_saved_gpu_seconds_total"]
     )
     assert saved_seconds == pytest.approx((expected - 16) / 5000.0)
     assert (
@@ -355,6 +373,7 @@ schedulingProfiles:
 
 def test_configs_load_and_the_index_survives_a_reload() -> None:
     from picker.config.runtime import RuntimeHolder
+    from picker.requestcontrol.director import schedule
 
     store = _store()
     holder = RuntimeHolder(store)
@@ -364,11 +383,12 @@ def test_configs_load_and_the_index_survives_a_reload() -> None:
     producer = runtime.plugins["approx-prefix-cache-producer"]
     assert isinstance(producer, ApproxPrefixCacheProducer) and producer.config.max_load_factor == 1.5
     request = _completion("cfg", PROMPT)
-    result = runtime.scheduler.schedule(request, store.snapshot())
-    runtime.pre_request(request, result)
+    result = schedule(runtime, request, store.snapshot())
+    for step in runtime.pre_request:
+        step.plugin.pre_request(request, result)
     assert result.cycle_state[PROMPT_BLOCKS_KEY].kind == TOKENS
     reloaded = holder.load_text(CONFIG)
-    again = reloaded.scheduler.schedule(_completion("cfg2", PROMPT), store.snapshot())
+    again = schedule(reloaded, _completion("cfg2", PROMPT), store.snapshot())
     assert again.targets[0].address == result.targets[0].address
     assert max(again.profile_results["default"].scores["prefix-cache-scorer"]) == 1.0
 
@@ -395,8 +415,9 @@ def test_expected_cached_tokens_equal_what_the_simulated_engine_reuses() -> None
             pairs = []
             for i, messages in enumerate(turns):
                 request = InferenceRequest(f"s{i}", Api.CHAT_COMPLETIONS, "m", "m", messages=messages)
-                await producer.prepare_async(request, store.snapshot())
-                result = scheduler.schedule(request, store.snapshot())
+                cycle_state = CycleState()
+                await producer.prepare_async(request, store.snapshot(), cycle_state)
+                result = scheduler.schedule(request, store.snapshot(), cycle_state)
                 producer.pre_request(request, result)
                 match = result.cycle_state[PREFIX_MATCH_KEY]
                 served = engine.submit(list(match.blocks.token_ids), 1)
@@ -417,7 +438,9 @@ def test_responses_teach_the_ttft_model_the_endpoints_prefill_rate() -> None:
     store = _store(ADDRESSES[:1])
     clock = [0.0]
     model = TtftModel(clock=lambda: clock[0])
-    producer = _producer(Handle(store, {TTFT_MODEL_KEY: model}), tokenizers={"m": "builtin"})
+    handle = Handle(store)
+    handle.persistent(TTFT_MODEL_KEY, lambda: model)  # the producer gets this persistent model
+    producer = _producer(handle, tokenizers={"m": "builtin"})
     scheduler = _scheduler(producer)
     address = ADDRESSES[0]
     for i in range(30):  # distinct prompts, one at a time: TTFT = 10 ms + tokens / 2000
@@ -461,7 +484,9 @@ def test_the_decision_log_explains_predicted_and_observed_ttft() -> None:
     ttft = WeightedScorer(TtftCostScorer("ttft-cost-scorer", TtftModel()), 1.0)
     log = DecisionLog()
     profile = SchedulerProfile("default", [], [ttft], MaxScorePicker("max-score-picker", rng=random.Random(0)))
-    scheduler = Scheduler(SingleProfileHandler("single-profile-handler"), [profile], [producer], decision_log=log)
+    scheduler = _PreparingScheduler(
+        producer, Scheduler(SingleProfileHandler("single-profile-handler"), [profile], decision_log=log)
+    )
     request = _completion("e1", PROMPT)
     result = scheduler.schedule(request, store.snapshot())
     producer.pre_request(request, result)
@@ -475,6 +500,9 @@ def test_the_decision_log_explains_predicted_and_observed_ttft() -> None:
     producer.response_complete(request, result, ResponseOutcome(target, 200, 0.25, 1.0, Usage(prompt, 1, 0)))
     (entry,) = log.entries()
     assert entry["explain"]["observed_ttft"] == {
-        "endpoint": target, "seconds": 0.25, "prompt_tokens": prompt, "cached_tokens": 0,
+        "endpoint": target,
+        "seconds": 0.25,
+        "prompt_tokens": prompt,
+        "cached_tokens": 0,
     }
     json.dumps(entry)  # what /debug/decisions serves

@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from picker.prefix.bench import build_bpe_tokenizer
+from picker.bench.prefix import build_bpe_tokenizer
+from picker.framework.request import Api, InferenceRequest, Message
+from picker.prefix import builtin_tokenizer as sim_tokenizer
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.prefix.prompt_blocks import CHARS, TOKENS, BlockSizing, PromptHasher
 from picker.prefix.token_cache import TokenPrefixCache, safe_boundaries
@@ -18,8 +20,6 @@ from picker.prefix.tokenizer import (
     HuggingFacePromptTokenizer,
     load_prompt_tokenizer,
 )
-from picker.request.model import Api, InferenceRequest, Message
-from picker.sim import tokenizer as sim_tokenizer
 
 WORDS = [
     "the",
@@ -152,11 +152,9 @@ def test_hf_tokenizer_that_does_not_split_cleanly_falls_back_to_whole_texts(
     tokenizer = load_prompt_tokenizer(whole_dir)
     cache = TokenPrefixCache(segment_chars=64)
     rng = random.Random(4)
-    for i in range(6):
+    for _ in range(6):
         text = random_text(rng, 80)
-        assert list(cache.tokenize(tokenizer, text, False)) == reference.encode(
-            text, add_special_tokens=False
-        )
+        assert list(cache.tokenize(tokenizer, text, False)) == reference.encode(text, add_special_tokens=False)
     assert not cache.splittable(tokenizer)
 
 
@@ -194,12 +192,7 @@ def test_models_without_tokenizer_hash_characters_and_token_prompts_hash_tokens(
     assert blocks is not None and blocks.kind == CHARS and len(blocks.hashes) == 4  # 3 × 64 + tail
     ids = InferenceRequest("i", Api.COMPLETIONS, "plain", "plain", prompt_token_ids=tuple(range(40)))
     blocks = hasher.hash(ids, sizing)
-    assert (
-        blocks is not None
-        and blocks.kind == TOKENS
-        and len(blocks.hashes) == 2
-        and blocks.prompt_tokens == 40
-    )
+    assert blocks is not None and blocks.kind == TOKENS and len(blocks.hashes) == 2 and blocks.prompt_tokens == 40
 
 
 def test_token_cache_is_bounded_by_total_tokens() -> None:

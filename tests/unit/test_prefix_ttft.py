@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.request import Api, InferenceRequest
 from picker.prefix.plugins import (
     PREDICTED_TTFT,
     PREFIX_MATCH_KEY,
@@ -13,8 +16,6 @@ from picker.prefix.plugins import (
 )
 from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 from picker.prefix.ttft import TtftModel, TtftPriors, ttft_scores
-from picker.request.model import Api, InferenceRequest
-from picker.scheduling.framework import CycleState, Handle
 
 CACHED = "10.0.0.1:8000"
 IDLE = "10.0.0.2:8000"

@@ -8,8 +8,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from picker.framework.request import InferenceRequest
 from picker.request.errors import RequestError
-from picker.request.model import InferenceRequest
 from picker.request.openai import parse_request, rewrite_model
 
 PATHS = st.sampled_from(
@@ -18,8 +18,24 @@ PATHS = st.sampled_from(
 # Field names and values the parser looks at, so generated bodies reach its deeper checks.
 KEYS = st.sampled_from(
     [
-        "model", "prompt", "messages", "role", "content", "tool_calls", "type", "text", "image_url",
-        "url", "input_audio", "data", "video_url", "input", "items", "instructions", "tools", "stream",
+        "model",
+        "prompt",
+        "messages",
+        "role",
+        "content",
+        "tool_calls",
+        "type",
+        "text",
+        "image_url",
+        "url",
+        "input_audio",
+        "data",
+        "video_url",
+        "input",
+        "items",
+        "instructions",
+        "tools",
+        "stream",
         "cache_salt",
     ]
 ) | st.text(max_size=5)

@@ -8,8 +8,8 @@ import orjson
 import pytest
 import xxhash
 
+from picker.framework.request import Api, Message
 from picker.request.errors import RequestError
-from picker.request.model import Api, Message
 from picker.request.openai import api_for_path, parse_request, rewrite_model
 
 CHAT = {":path": "/v1/chat/completions"}

@@ -8,14 +8,15 @@ from collections import Counter
 
 import pytest
 
+from picker.datalayer.plugins import CoreMetricsExtractor, MetricsDataSource
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
-from picker.request.model import Api, InferenceRequest
-from picker.scheduling.config_plugins import CoreMetricsExtractor, MetricsDataSource
+from picker.framework.cycle_state import CycleState
+from picker.framework.durations import parse_duration
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.request import Api, InferenceRequest
 from picker.scheduling.filters import HeaderBasedTestingFilter
-from picker.scheduling.framework import CycleState, Handle
-from picker.scheduling.parameters import Parameters, parse_duration
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
-from picker.scheduling.registry import PluginConfigError
 from picker.scheduling.saturation import UtilizationDetector
 from picker.scheduling.scorers import (
     KVCacheUtilizationScorer,
@@ -64,7 +65,7 @@ def request(model: str = "m", headers: dict[str, str] | None = None, objective: 
     )
 
 
-def score(scorer, candidates):  # noqa: ANN001, ANN201 - test shorthand
+def score(scorer, candidates):
     return list(scorer.score(request(), CycleState(), candidates))
 
 
@@ -123,7 +124,7 @@ def test_token_load_scorer_formula_and_parameter() -> None:
 
 
 @pytest.mark.parametrize("factory", [QueueScorer.create, KVCacheUtilizationScorer.create, LoraAffinityScorer.create])
-def test_parameterless_scorers_reject_parameters(factory) -> None:  # noqa: ANN001
+def test_parameterless_scorers_reject_parameters(factory) -> None:
     with pytest.raises(PluginConfigError, match="hashBlockSize: unknown parameter"):
         factory("s", {"hashBlockSize": 64}, Handle())
 

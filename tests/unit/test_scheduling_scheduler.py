@@ -5,32 +5,38 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 
-from picker.config.loader import build, parse_text
-from picker.config.runtime import Runtime, RuntimeHolder
+from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.store import Datastore
-from picker.request.errors import RequestError
-from picker.request.model import InferenceRequest, ResponseOutcome
-from picker.scheduling.decisions import DecisionLog
-from picker.scheduling.framework import (
-    CycleState,
+from picker.framework.cycle_state import CycleState, StateKey
+from picker.framework.handle import Handle
+from picker.framework.plugin import (
     DataProducer,
     Filter,
-    Handle,
     PreRequest,
     ResponseComplete,
-    Scorer,
     SchedulingResult,
+    Scorer,
 )
+from picker.framework.registry import Registration
+from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.plugins import REGISTRY
+from picker.request.errors import RequestError
+from picker.request.openai import OBJECTIVE_HEADER
+from picker.requestcontrol.director import Director, RoutedRequest, schedule
 from picker.scheduling.pickers import MaxScorePicker
 from picker.scheduling.profile_handler import SingleProfileHandler
 from picker.scheduling.scheduler import PLUGIN_TIMING_SAMPLE, Scheduler, SchedulerProfile, WeightedScorer
+from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_E2E
 from tests.unit.test_scheduling_plugins import request, state
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 
 
 class FixedScorer(Scorer):
@@ -51,9 +57,17 @@ class DropAll(Filter):
         return []
 
 
-def scheduler(*scorers: WeightedScorer, filters: Sequence[Filter] = (), producers=(), log=None) -> Scheduler:  # noqa: ANN001
+def scheduler(*scorers: WeightedScorer, filters: Sequence[Filter] = (), log=None) -> Scheduler:
     profile = SchedulerProfile("default", filters, scorers, MaxScorePicker("max-score-picker"))
-    return Scheduler(SingleProfileHandler("single-profile-handler"), [profile], producers, log)
+    return Scheduler(SingleProfileHandler("single-profile-handler"), [profile], log)
+
+
+async def route(director: Director, objective: str | None = None) -> RoutedRequest:
+    """Route a completion request (id r1, model m) through the director."""
+    headers = {":path": "/v1/completions", "x-request-id": "r1"}
+    if objective is not None:
+        headers[OBJECTIVE_HEADER] = objective
+    return await director.route(b'{"model":"m","prompt":"hi"}', headers, None)
 
 
 def test_totals_are_weighted_sums_of_clamped_scores() -> None:
@@ -62,7 +76,7 @@ def test_totals_are_weighted_sums_of_clamped_scores() -> None:
         WeightedScorer(FixedScorer("a", [0.5, 1.7, -0.3]), 2.0),
         WeightedScorer(FixedScorer("b", [1.0, 0.0, 0.5]), 3.0),
     )
-    result = s.schedule(request(), candidates)
+    result = s.schedule(request(), candidates, CycleState())
     run = result.profile_results["default"]
     assert run is not None
     assert run.totals == pytest.approx([4.0, 2.0, 1.5])  # not normalised by Σweights
@@ -73,34 +87,49 @@ def test_totals_are_weighted_sums_of_clamped_scores() -> None:
 
 def test_no_candidates_is_503_and_filtered_out_is_429() -> None:
     with pytest.raises(RequestError) as empty:
-        scheduler().schedule(request(), [])
+        scheduler().schedule(request(), [], CycleState())
     assert empty.value.status == 503
     with pytest.raises(RequestError) as filtered:
-        scheduler(filters=[DropAll("drop")]).schedule(request(), [state(1)])
+        scheduler(filters=[DropAll("drop")]).schedule(request(), [state(1)], CycleState())
     assert filtered.value.status == 429
+
+
+A, B, C = (StateKey(name, list) for name in "abc")
 
 
 class KeyProducer(DataProducer):
     plugin_type = "test-producer"
 
-    def __init__(self, name: str, produces: str, consumes: str = "", fail: bool = False) -> None:
+    def __init__(
+        self, name: str, produces: StateKey[list], consumes: tuple[StateKey[list], ...] = (), fail: bool = False
+    ) -> None:
         super().__init__(name)
         self.produces = frozenset({produces})
-        self.consumes = frozenset({consumes} - {""})
+        self.consumes = frozenset(consumes)
         self.fail = fail
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         if self.fail:
             raise RuntimeError("boom")
-        cycle_state[next(iter(self.produces))] = [cycle_state.get(c) for c in self.consumes]
+        cycle_state[next(iter(self.produces))] = [cycle_state.read(c) for c in self.consumes]
 
 
-def test_producers_run_before_scoring_and_a_failure_does_not_fail_the_request() -> None:
-    first, broken = KeyProducer("first", "a"), KeyProducer("broken", "b", fail=True)
-    second = KeyProducer("second", "c", consumes="a")
-    result = scheduler(producers=[first, broken, second]).schedule(request(), [state(1)])
-    assert result.cycle_state["a"] == [] and result.cycle_state["c"] == [[]]
-    assert "b" not in result.cycle_state
+def test_producers_run_before_scoring_and_a_failure_does_not_fail_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    first, broken = KeyProducer("first", A), KeyProducer("broken", B, fail=True)
+    second = KeyProducer("second", C, consumes=(A,))
+    producers = {p.name: p for p in (first, broken, second)}
+    monkeypatch.setitem(
+        REGISTRY.registrations,
+        "test-producer",
+        Registration("test-producer", lambda name, parameters, handle: producers[name]),
+    )
+    runtime = RuntimeHolder().load_text(
+        HEADER + "plugins: [{type: queue-scorer}, {name: first, type: test-producer},"
+        " {name: broken, type: test-producer}, {name: second, type: test-producer}]\n"
+    )
+    result = schedule(runtime, request(), [state(1)])
+    assert result.cycle_state[A] == [] and result.cycle_state[C] == [[]]
+    assert B not in result.cycle_state
 
 
 def test_schedule_observes_e2e_and_plugin_durations() -> None:
@@ -118,7 +147,9 @@ def test_schedule_observes_e2e_and_plugin_durations() -> None:
     before = count(SCHEDULER_E2E)
     before_scorer = count(PLUGIN_DURATION, extension_point="Scorer", plugin_name="timed")
     s = scheduler(WeightedScorer(FixedScorer("timed", [1.0]), 1.0))
-    results = [s.schedule(request(), [state(1)]) for _ in range(2 * PLUGIN_TIMING_SAMPLE)]
+    results = [
+        s.schedule(request(), [state(1)], CycleState(), s.next_cycle_timed()) for _ in range(2 * PLUGIN_TIMING_SAMPLE)
+    ]
     # Every request is timed end to end; plugins on one request in PLUGIN_TIMING_SAMPLE.
     assert count(SCHEDULER_E2E) == before + 2 * PLUGIN_TIMING_SAMPLE
     assert count(PLUGIN_DURATION, extension_point="Scorer", plugin_name="timed") == before_scorer + 2
@@ -134,7 +165,7 @@ def test_burst_with_stale_metrics_spreads_over_endpoints() -> None:
     runtime = RuntimeHolder(store).current  # the default config
     picks = Counter()
     for _ in range(8):
-        target = runtime.scheduler.schedule(request(), store.snapshot()).targets[0]
+        target = schedule(runtime, request(), store.snapshot()).targets[0]
         store.acquire(target.address, 10)
         picks[target.address] += 1
     assert picks == {address: 2 for address in store.endpoints()}
@@ -156,36 +187,38 @@ class Recorder(PreRequest, ResponseComplete):
         raise RuntimeError("a failing hook is logged, not raised")
 
 
-def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyPatch) -> None:
-    from picker.scheduling import registry
-
-    monkeypatch.setitem(registry._REGISTRY, "test-recorder", registry.Registration("test-recorder", Recorder.create))
-    config = parse_text(
-        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-        "plugins: [{type: queue-scorer}, {type: test-recorder}]\n"
-    )
-    runtime = Runtime(build(config), objectives={"critical": 10, "batch": -1, "unset": None})
+async def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(REGISTRY.registrations, "test-recorder", Registration("test-recorder", Recorder.create))
+    store = Datastore()
+    store.set_endpoints([Endpoint("10.0.0.1", 8000)])
+    holder = RuntimeHolder(store)
+    holder.set_objectives({"critical": 10, "batch": -1, "unset": None})
+    runtime = holder.load_text(HEADER + "plugins: [{type: queue-scorer}, {type: test-recorder}]\n")
+    director = Director(store, holder)
     assert runtime.priority(request(objective="batch")) == -1
     assert runtime.priority(request(objective="critical")) == 10
     assert runtime.priority(request(objective="unset")) == 0
     assert runtime.priority(request(objective="unknown")) == 0
     assert runtime.priority(request()) == 0
-    assert runtime.saturation([state(1, waiting=5)]) == 1.0
-    assert runtime.saturation([state(1, waiting=1)]) == pytest.approx(0.2)
-    saturated, stale, idle = [state(1, waiting=5)], [state(1, age=None)], [state(1, waiting=1)]
+    assert runtime.saturation_detector.saturation([state(1, waiting=5)]) == 1.0
+    assert runtime.saturation_detector.saturation([state(1, waiting=1)]) == pytest.approx(0.2)
+    saturated, stale, idle = state(1, waiting=5), state(1, age=None), state(1, waiting=1)
+    store.set_metrics(saturated.address, saturated.metrics)
     with pytest.raises(RequestError) as shed:
-        runtime.admit(request(objective="batch"), saturated)
+        await route(director, "batch")
     assert shed.value.status == 429
+    store.set_metrics(stale.address, stale.metrics)
     with pytest.raises(RequestError):
-        runtime.admit(request(objective="batch"), stale)  # unknown load counts as saturated
-    runtime.admit(request(objective="batch"), idle)
+        await route(director, "batch")  # unknown load counts as saturated
+    store.set_metrics(idle.address, idle.metrics)
+    (await route(director, "batch")).finish()
+    store.set_metrics(saturated.address, saturated.metrics)
     for objective in ("critical", "unset", None):
-        runtime.admit(request(objective=objective), saturated)  # priority >= 0 is never shed
+        (await route(director, objective)).finish()  # priority >= 0 is never shed
 
     Recorder.calls = []
-    result = runtime.scheduler.schedule(request(), [state(1)])
-    runtime.pre_request(request(), result)
-    runtime.response_complete(request(), result, ResponseOutcome(endpoint="10.0.0.1:8000", status=200))
+    routed = await route(director)
+    routed.response_headers(200, "10.0.0.1:8000", "application/json", end_of_stream=True)
     assert Recorder.calls == [("pre", "10.0.0.1:8000"), ("done", "10.0.0.1:8000")]
 
 
@@ -201,7 +234,7 @@ def test_decision_log_records_scores_and_is_bounded() -> None:
     log = DecisionLog(capacity=2)
     s = scheduler(WeightedScorer(FixedScorer("a", [0.2, 0.9]), 2.0), log=log)
     for _ in range(3):
-        s.schedule(request(), [state(1, waiting=3, in_flight=1), state(2)])
+        s.schedule(request(), [state(1, waiting=3, in_flight=1), state(2)], CycleState())
     assert len(log) == 2
     newest = log.entries(limit=1)
     assert len(newest) == 1
@@ -223,49 +256,53 @@ def test_decision_log_records_scores_and_is_bounded() -> None:
         DecisionLog(0)
 
 
+SLOW = StateKey("slow", list)
+
+
 class SlowPreparer(DataProducer):
     plugin_type = "test-slow-preparer"
-    produces = frozenset({"slow"})
+    produces = frozenset({SLOW})
 
     def __init__(self, name: str, block: bool) -> None:
         super().__init__(name)
         self.block = block
         self.prepared: list[str] = []
 
-    async def prepare_async(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+    async def prepare_async(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> None:
         if self.block:
             await asyncio.Event().wait()  # never set: only the 400 ms bound ends it
         self.prepared.append(request.request_id)
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
-        cycle_state["slow"] = list(self.prepared)
+        cycle_state[SLOW] = list(self.prepared)
 
 
 async def test_prepare_async_runs_before_schedule_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from picker.scheduling import registry
-
+    store = Datastore()
+    store.set_endpoints([Endpoint("10.0.0.1", 8000)])
     for block in (False, True):
         preparer = SlowPreparer("test-slow-preparer", block)
         monkeypatch.setitem(
-            registry._REGISTRY,
+            REGISTRY.registrations,
             "test-slow-preparer",
-            registry.Registration("test-slow-preparer", lambda name, parameters, handle, p=preparer: p),
+            Registration("test-slow-preparer", lambda name, parameters, handle, p=preparer: p),
         )
-        config = parse_text(
-            "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-            "plugins: [{type: queue-scorer}, {type: test-slow-preparer}]\n"
-        )
-        runtime = Runtime(build(config))
+        holder = RuntimeHolder(store)
+        holder.load_text(HEADER + "plugins: [{type: queue-scorer}, {type: test-slow-preparer}]\n")
         started = time.monotonic()
-        await runtime.prepare_async(request(), [state(1)])
-        result = runtime.scheduler.schedule(request(), [state(1)])
+        routed = await route(Director(store, holder))
+        routed.finish()
         if block:
             assert 0.35 < time.monotonic() - started < 2.0
-            assert result.cycle_state["slow"] == []
+            assert routed.result.cycle_state[SLOW] == []
         else:
-            assert result.cycle_state["slow"] == ["r1"]
+            assert routed.result.cycle_state[SLOW] == ["r1"]
 
 
 def test_a_scorer_returning_the_wrong_number_of_scores_is_named() -> None:
     with pytest.raises(RuntimeError, match="scorer 'short' returned 1 scores for 2 candidates"):
-        scheduler(WeightedScorer(FixedScorer("short", [1.0]), 1.0)).schedule(request(), [state(1), state(2)])
+        scheduler(WeightedScorer(FixedScorer("short", [1.0]), 1.0)).schedule(
+            request(), [state(1), state(2)], CycleState()
+        )

@@ -11,8 +11,16 @@ import pytest
 from picker.sim.engine import Engine, EngineConfig, EngineError
 from picker.sim.profiles import Profile, get_profile
 
-FAST = EngineConfig(profile=get_profile("tiny"), num_gpu_blocks=64, block_size=4, max_num_seqs=4,
-                    max_num_batched_tokens=64, max_loras=1, max_model_len=1024, time_scale=50.0)
+FAST = EngineConfig(
+    profile=get_profile("tiny"),
+    num_gpu_blocks=64,
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    max_loras=1,
+    max_model_len=1024,
+    time_scale=50.0,
+)
 REAL_TIME = dataclasses.replace(FAST, time_scale=1.0)  # 1 ms steps: slow enough to observe the queue
 
 
@@ -95,8 +103,14 @@ async def test_chunked_prefill_respects_the_token_budget() -> None:
 
 
 async def test_preemption_when_kv_runs_out_mid_decode() -> None:
-    cfg = EngineConfig(profile=get_profile("tiny"), num_gpu_blocks=8, block_size=4, max_num_seqs=4,
-                       max_num_batched_tokens=64, time_scale=50.0)
+    cfg = EngineConfig(
+        profile=get_profile("tiny"),
+        num_gpu_blocks=8,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        time_scale=50.0,
+    )
     engine = Engine(cfg)
     engine.start()
     try:

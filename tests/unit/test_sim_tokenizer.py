@@ -10,8 +10,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from picker.sim import tokenizer
-from picker.sim.tokenizer import (
+from picker.prefix import builtin_tokenizer
+from picker.prefix.builtin_tokenizer import (
     SPECIAL_TOKENS,
     VOCAB_SIZE,
     BuiltinTokenizer,
@@ -35,10 +35,13 @@ def test_same_word_same_id_whitespace_ignored() -> None:
 
 
 def test_ids_are_stable_across_processes_and_hash_seeds() -> None:
-    code = "from picker.sim.tokenizer import encode; print(encode('The quick, brown fox! ünïcode'))"
+    code = "from picker.prefix.builtin_tokenizer import encode; print(encode('The quick, brown fox! ünïcode'))"
     outputs = {
         subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
             env={"PYTHONHASHSEED": seed, "PATH": ""},
         ).stdout.strip()
         for seed in ("0", "1", "random")
@@ -49,7 +52,10 @@ def test_ids_are_stable_across_processes_and_hash_seeds() -> None:
 def test_chat_template_is_the_documented_one() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}, {"type": "text", "text": "there"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}, {"type": "text", "text": "there"}],
+        },
     ]
     assert render_chat(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\nthere\n<|assistant|>\n"
     assert render_chat(messages, add_generation_prompt=False).endswith("there\n")
@@ -58,9 +64,9 @@ def test_chat_template_is_the_documented_one() -> None:
 
 
 def test_load_tokenizer_builtin_and_bad_path() -> None:
-    assert tokenizer.load_tokenizer("builtin").name == "builtin"
+    assert builtin_tokenizer.load_tokenizer("builtin").name == "builtin"
     try:
-        tokenizer.load_tokenizer("/nonexistent/tokenizer/dir")
+        builtin_tokenizer.load_tokenizer("/nonexistent/tokenizer/dir")
     except ValueError as exc:
         assert "/nonexistent/tokenizer/dir" in str(exc) or "transformers" in str(exc)
     else:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.request.model import Usage
+from picker.framework.request import Usage
 from picker.request.usage import SseUsageScanner, parse_usage, usage_from_json
 
 CHAT_USAGE = {
@@ -89,7 +89,7 @@ def test_scanner_keeps_the_last_usage_object_and_ignores_null_usage() -> None:
 
 def test_scanner_handles_crlf_split_lines_and_many_events_per_chunk() -> None:
     stream = (
-        b"event: message\r\ndata: not json but has \"usage\": {\r\n\r\n"
+        b'event: message\r\ndata: not json but has "usage": {\r\n\r\n'
         + chunk_event(None).replace(b"\n", b"\r\n")
         + b'data:{"usage":{"prompt_tokens":7,"completion_tokens":2}}\r\n\r\n'
         + b"data: [DONE]\r\n\r\n"

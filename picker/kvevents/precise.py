@@ -301,8 +301,9 @@ class PreciseIndex:
             for key in cache.covered_by.get(h, ()):
                 if key in cache.tiers:
                     continue
-                blocks = [engine.get(b) for b in cache.cover.get(key, ())]
-                if not blocks or None in blocks:
+                found = [engine.get(b) for b in cache.cover.get(key, ())]
+                blocks = [block for block in found if block is not None]
+                if not blocks or len(blocks) != len(found):  # some covered block is not stored
                     continue
                 tier = GPU | CPU
                 for block in blocks:

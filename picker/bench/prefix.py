@@ -1,4 +1,4 @@
-"""`python -m picker.prefix.bench`: request-path cost of prefix hashing and matching.
+"""`python -m picker.bench.prefix`: request-path cost of prefix hashing and matching.
 
 Measures, per request, the work the producer does before scoring — render (chat), tokenize
 through the token cache, hash blocks, match the index — for ~16k-token prompts whose long
@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter, thread_time
 
+from picker.framework.request import Api, InferenceRequest, Message
 from picker.prefix.index import PrefixIndex
 from picker.prefix.prompt_blocks import BlockSizing, PromptHasher
 from picker.prefix.token_cache import TokenPrefixCache
 from picker.prefix.tokenizer import PromptTokenizer, load_prompt_tokenizer
-from picker.request.model import Api, InferenceRequest, Message
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -86,7 +86,7 @@ _WORDS = [
 def corpus_text(rng: random.Random, words: int) -> str:
     """English-like text with punctuation, numbers and line breaks."""
     out = []
-    for i in range(words):
+    for _ in range(words):
         out.append(rng.choice(_WORDS))
         r = rng.random()
         out.append(
@@ -130,9 +130,7 @@ def build_bpe_tokenizer(directory: Path, vocab_size: int = 4000, split_words: bo
     rng = random.Random(11)
     tokenizer.train_from_iterator([corpus_text(rng, 200) for _ in range(200)], trainer)
     bos = tokenizer.token_to_id("<|bos|>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", special_tokens=[("<|bos|>", bos)]
-    )
+    tokenizer.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
@@ -159,9 +157,7 @@ def _report(walls: Sequence[float], cpus: Sequence[float] = ()) -> str:
     return text
 
 
-def _decide(
-    hasher: PromptHasher, index: PrefixIndex, sizing: BlockSizing
-) -> Callable[[InferenceRequest], None]:
+def _decide(hasher: PromptHasher, index: PrefixIndex, sizing: BlockSizing) -> Callable[[InferenceRequest], None]:
     """The producer's request-path work: hash the prompt (tokenizing if needed) and match it."""
 
     def step(request: InferenceRequest) -> None:
@@ -186,9 +182,7 @@ def _time(requests: Sequence[InferenceRequest], step: Callable[[InferenceRequest
     return _report(walls, cpus)
 
 
-def _requests(
-    api: Api, shared: str, rng: random.Random, count: int, tail_words: int
-) -> list[InferenceRequest]:
+def _requests(api: Api, shared: str, rng: random.Random, count: int, tail_words: int) -> list[InferenceRequest]:
     """`count` requests starting with `shared` (a system message for chat), each with a new tail."""
     out = []
     for i in range(count):
@@ -248,9 +242,7 @@ def bench_tokens(name: str, tokenizer: PromptTokenizer, target_tokens: int, coun
                 walls.append(perf_counter() - started)
             return walls
 
-        print(
-            f"{name:7s} {'completions, async':17s} (thread pool), seen prefix: {_report(asyncio.run(run()))}"
-        )
+        print(f"{name:7s} {'completions, async':17s} (thread pool), seen prefix: {_report(asyncio.run(run()))}")
 
 
 def bench_chars(count: int) -> None:
@@ -270,9 +262,7 @@ def bench_chars(count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m picker.prefix.bench", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m picker.bench.prefix", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300, help="timed requests per case")
     parser.add_argument("--tokens", type=int, default=16384, help="prompt size in tokens")
     parser.add_argument(

@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from picker.request.model import InferenceRequest
-from picker.scheduling.framework import EXPLAIN_KEY, ProfileRunResult, SchedulingResult
+from picker.framework.plugin import ProfileRunResult, SchedulingResult
+from picker.framework.request import InferenceRequest
 
 
 class DecisionLog:
@@ -47,7 +47,7 @@ def _decision(at: float, request: InferenceRequest, result: SchedulingResult) ->
         "primary_profile": result.primary_profile,
         "targets": [t.address for t in result.targets],
         "profiles": {name: _profile(run) for name, run in result.profile_results.items()},
-        "explain": _json_ready(result.cycle_state.get(EXPLAIN_KEY, {})),
+        "explain": _json_ready(result.cycle_state.explained() or {}),
     }
 
 

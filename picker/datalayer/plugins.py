@@ -1,18 +1,16 @@
-"""Plugins that carry configuration for other parts of the picker and take no part in scheduling.
-
-The data layer's source and extractor, the request parser and the flow-control policies are
-named in an EndpointPickerConfig like any plugin; here they are validated strictly and hold
-their typed parameters, which the serving code hands to the part that uses them.
-"""
+"""The data layer's plugins: where to scrape (`metrics-data-source`) and what to read from each
+engine's page (`core-metrics-extractor`). `picker.datalayer.collector` is built from them."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from picker.datalayer.engines import EngineCatalog
-from picker.scheduling.framework import Handle, Plugin
-from picker.scheduling.parameters import Parameters
-from picker.scheduling.registry import PluginConfigError, PluginFactory
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.plugin import Plugin
 
 
 class MetricsDataSource(Plugin):
@@ -67,17 +65,6 @@ class CoreMetricsExtractor(Plugin):
         return extractor
 
 
-class OpenAIParser(Plugin):
-    """`openai-parser`: the default request parser (OpenAI-style bodies); no parameters."""
-
-    plugin_type = "openai-parser"
-
-    @classmethod
-    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> OpenAIParser:
-        Parameters(parameters).finish()
-        return cls(name)
-
-
 class InFlightLoadProducer(Plugin):
     """`inflight-load-producer`: accepted so reference configs naming it keep loading. The
     picker's in-flight counts always come from the datastore (`EndpointState.in_flight_*`)."""
@@ -90,29 +77,33 @@ class InFlightLoadProducer(Plugin):
         return cls(name)
 
 
-class FlowControlPolicy(Plugin):
-    """A flow-control fairness or ordering policy named by `flowControl`. The picker does not
-    implement flow control, so these only validate (no parameters) and are otherwise inert."""
+@dataclass(frozen=True, slots=True)
+class DataSource:
+    """One configured metrics source and its extractors (the config's `dataLayer.sources[i]`)."""
 
-    def __init__(self, name: str, policy_type: str) -> None:
-        super().__init__(name)
-        self.plugin_type = policy_type  # one class serves every policy type
-
-    @staticmethod
-    def factory(policy_type: str) -> PluginFactory:
-        """The registry factory for `policy_type`."""
-
-        def create(name: str, parameters: Mapping[str, Any], handle: Handle) -> FlowControlPolicy:
-            Parameters(parameters).finish()
-            return FlowControlPolicy(name, policy_type)
-
-        return create
+    source: MetricsDataSource
+    extractors: tuple[CoreMetricsExtractor, ...]
 
 
-# The reference's flow-control policy types.
-FLOW_CONTROL_POLICY_TYPES = (
-    "global-strict-fairness-policy",
-    "round-robin-fairness-policy",
-    "fcfs-ordering-policy",
-    "edf-ordering-policy",
-)
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    """What the collector scrapes and reads, as the installed config describes it."""
+
+    path: str = "/metrics"
+    scheme: str = "http"
+    insecure_skip_verify: bool = True
+    engines: EngineCatalog | None = None  # None: the built-in engine specs
+
+
+def scrape_settings(sources: tuple[DataSource, ...] | None) -> ScrapeSettings | None:
+    """The collector's settings for a config's data sources: None when `sources: []` turns
+    collection off; the defaults for the legacy metrics path (no `dataLayer`, `sources` None).
+    The loader admits at most one source with at most one extractor."""
+    if sources is None:
+        return ScrapeSettings()
+    if not sources:
+        return None
+    (data_source,) = sources
+    source = data_source.source
+    engines = data_source.extractors[0].catalog if data_source.extractors else None
+    return ScrapeSettings(source.path, source.scheme, source.insecure_skip_verify, engines)

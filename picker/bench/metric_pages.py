@@ -7,8 +7,28 @@ about ten histograms): roughly 300 lines and 30 KB, most of which the scanner mu
 from __future__ import annotations
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 _REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
@@ -84,9 +104,7 @@ def vllm_page(
     lines += _gauge(
         "vllm:num_requests_running", "Number of requests in model execution batches.", [(m, float(running))]
     )
-    lines += _gauge(
-        "vllm:num_requests_waiting", "Number of requests waiting to be processed.", [(m, float(waiting))]
-    )
+    lines += _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", [(m, float(waiting))])
     kv_name = "vllm:gpu_cache_usage_perc" if legacy_kv_name else "vllm:kv_cache_usage_perc"
     lines += _gauge(kv_name, "KV-cache usage. 1 means 100 percent usage.", [(m, kv_usage)])
     lines += _gauge(
@@ -135,16 +153,64 @@ def vllm_page(
     )
     for name, doc, buckets, total, mean in (
         ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", _TOKEN_BUCKETS, 48213, 212.0),
-        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _LATENCY_BUCKETS, 9435, 0.21),
-        ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", _LATENCY_BUCKETS, 1211558, 0.024),
-        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _REQUEST_SECONDS_BUCKETS, 9435, 3.2),
-        ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_SECONDS_BUCKETS, 9435, 0.08),
-        ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", _REQUEST_SECONDS_BUCKETS, 9435, 3.1),
-        ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", _REQUEST_SECONDS_BUCKETS, 9435, 0.15),
-        ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", _REQUEST_SECONDS_BUCKETS, 9435, 2.9),
+        (
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            _LATENCY_BUCKETS,
+            9435,
+            0.21,
+        ),
+        (
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            _LATENCY_BUCKETS,
+            1211558,
+            0.024,
+        ),
+        (
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            _REQUEST_SECONDS_BUCKETS,
+            9435,
+            3.2,
+        ),
+        (
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            _REQUEST_SECONDS_BUCKETS,
+            9435,
+            0.08,
+        ),
+        (
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            _REQUEST_SECONDS_BUCKETS,
+            9435,
+            3.1,
+        ),
+        (
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            _REQUEST_SECONDS_BUCKETS,
+            9435,
+            0.15,
+        ),
+        (
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            _REQUEST_SECONDS_BUCKETS,
+            9435,
+            2.9,
+        ),
         ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS, 9435, 934.0),
         ("vllm:request_generation_tokens", "Number of generation tokens processed.", _TOKEN_BUCKETS, 9435, 129.0),
-        ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS, 9435, 256.0),
+        (
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            _TOKEN_BUCKETS,
+            9435,
+            256.0,
+        ),
     ):
         lines += _histogram(name, doc, m, buckets, total, mean)
     return ("\n".join(lines) + "\n").encode()
@@ -174,7 +240,12 @@ def sglang_page(
         [(f'{m},num_pages="{num_pages}",page_size="{page_size}"', 1.0)],
     )
     lines += _histogram(
-        "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m, _LATENCY_BUCKETS, 512, 0.3
+        "sglang:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        m,
+        _LATENCY_BUCKETS,
+        512,
+        0.3,
     )
     lines += _gauge("sglang:prompt_tokens_total", "Number of prefill tokens processed.", [(m, 1.2e6)], "counter")
     return ("\n".join(lines) + "\n").encode()
@@ -197,9 +268,7 @@ def trtllm_page(
     lines += _gauge("trtllm_kv_cache_tokens_per_block", "Tokens per KV block.", [(m, float(tokens_per_block))])
     lines += _gauge("trtllm_kv_cache_max_blocks", "Maximum KV blocks.", [(m, float(max_blocks))])
     lines += _gauge("trtllm_kv_cache_hit_rate", "KV cache hit rate.", [(m, 0.3)])
-    lines += _histogram(
-        "trtllm_time_to_first_token_seconds", "Time to first token.", m, _LATENCY_BUCKETS, 300, 0.2
-    )
+    lines += _histogram("trtllm_time_to_first_token_seconds", "Time to first token.", m, _LATENCY_BUCKETS, 300, 0.2)
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -1,18 +1,20 @@
-"""The scheduling framework's extension points and the values they exchange.
+"""The plugin interfaces: what a plugin may implement, and the values scheduling exchanges.
 
 A plugin is one object with a `plugin_type` (its registry key) and a `name` (unique within a
-config). It takes part in scheduling by subclassing one or more extension points below; the
-scheduler finds them with `isinstance`, so one instance may be, say, a Filter and a Scorer.
+config). It takes part by subclassing one or more interfaces below; the director and the
+scheduler find them with `isinstance`, so one instance may be, say, a DataProducer and a Scorer.
 
-Order of calls for one request (see `Scheduler.schedule` and `Runtime`):
+Order of calls for one request (`picker.requestcontrol.director.Director` runs them):
 
-0. (async, optional) `AsyncPreparer.prepare_async` for producers that have it.
-1. `DataProducer.prepare` for every producer, in dependency order (a producer that consumes a
-   key runs after the one producing it), writing per-request data into the `CycleState`.
-2. The `ProfileHandler` chooses profiles; each profile runs its Filters in order, then its
-   Scorers (total = sum of clamp(score, 0, 1) * weight, not normalised), then its Picker.
-3. After the pick, the caller runs every `PreRequest.pre_request`.
-4. When the response ends, the caller runs every `ResponseComplete.response_complete`.
+1. `Parser.parse` turns the body into an `InferenceRequest`.
+2. Admission (the configured `SaturationDetector`).
+3. `DataProducer.prepare_async` (slow work off the event loop), then `DataProducer.prepare` for
+   every producer in dependency order, writing per-request data into the `CycleState`.
+4. The scheduler: the `ProfileHandler` chooses profiles; each profile runs its Filters in order,
+   then its Scorers (total = sum of clamp(score, 0, 1) * weight, not normalised), then its Picker.
+5. `PreRequest.pre_request` after the pick.
+6. `ResponseReceived` on the response headers, `ResponseStreaming` on each response chunk,
+   `ResponseComplete` once when the response has ended.
 
 Scorers return one score per candidate, aligned with the candidate sequence they were given
 (a list is cheaper than a dict keyed by address, and the candidates are already ordered).
@@ -21,35 +23,13 @@ Scorers return one score per candidate, aligned with the candidate sequence they
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, ClassVar
 
 from picker.datastore.endpoint import EndpointState
-from picker.request.model import InferenceRequest, ResponseOutcome
-
-if TYPE_CHECKING:
-    from picker.datastore.store import Datastore
-
-T = TypeVar("T")
-
-
-EXPLAIN_KEY = "Explain"
-
-
-class CycleState(dict[str, Any]):
-    """Per-request key/value store shared by the plugins of one scheduling cycle.
-
-    Producers write under the data keys they declare in `produces`; consumers read them. It
-    travels with the `SchedulingResult`, so PreRequest and ResponseComplete hooks see it too.
-    """
-
-    __slots__ = ()
-
-    def explain(self) -> dict[str, Any]:
-        """What plugins want `/debug/decisions` to show about this decision, by topic (JSON-ready
-        values or named tuples, converted only when the log is read). Created on first use."""
-        explain: dict[str, Any] = self.setdefault(EXPLAIN_KEY, {})
-        return explain
+from picker.framework.cycle_state import CycleState, StateKey
+from picker.framework.request import InferenceRequest, ResponseOutcome
 
 
 class Plugin(ABC):
@@ -60,8 +40,8 @@ class Plugin(ABC):
     prints them; a factory sets it (e.g. from `Parameters.finish()`), else the raw ones show.
     """
 
-    plugin_type: ClassVar[str]
-    consumes: ClassVar[frozenset[str]] = frozenset()
+    plugin_type: str  # a class attribute in every plugin class (one class may serve several types)
+    consumes: ClassVar[frozenset[StateKey[Any]]] = frozenset()
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -78,6 +58,20 @@ class Filter(Plugin):
     def filter(
         self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
     ) -> Sequence[EndpointState]: ...
+
+
+class Parser(Plugin):
+    """Turns a request body into an `InferenceRequest` (the reference's request parser)."""
+
+    @abstractmethod
+    def parse(
+        self, body: bytes, headers: Mapping[str, str], request_id: str, tenant_header: str | None
+    ) -> InferenceRequest:
+        """Parse `body` (headers have lower-case names); raise `RequestError` (400) if invalid."""
+
+    @abstractmethod
+    def rewrite_model(self, request: InferenceRequest) -> bytes:
+        """The body to forward when the request's `target_model` differs from its `model`."""
 
 
 class ScorerCategory:
@@ -170,23 +164,21 @@ class DataProducer(Plugin):
 
     `produces` / `consumes` are data keys; they order producers and let the config loader
     create a key's default producer when a consumer is configured without one.
+    `prepare_async` is for slow work (e.g. tokenizing) done off the event loop: the director
+    awaits every producer's (bounded in total), then runs every `prepare`.
     """
 
-    produces: ClassVar[frozenset[str]] = frozenset()
+    produces: ClassVar[frozenset[StateKey[Any]]] = frozenset()
+
+    async def prepare_async(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> None:
+        """Slow preparation off the event loop; nothing by default."""
 
     @abstractmethod
     def prepare(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
     ) -> None: ...
-
-
-@runtime_checkable
-class AsyncPreparer(Protocol):
-    """Optional async half of a DataProducer: slow work (e.g. tokenizing) done off the event
-    loop before scheduling; `Runtime.prepare_async` awaits it, then `prepare` runs as usual.
-    Matched structurally, so a DataProducer only needs to define the method."""
-
-    async def prepare_async(self, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None: ...
 
 
 class PreRequest(Plugin):
@@ -205,12 +197,39 @@ class ResponseComplete(Plugin):
     ) -> None: ...
 
 
-class BackgroundWork(Plugin):
-    """A plugin with work of its own beside requests (e.g. subscribing to KV-cache events);
-    the server starts it once its event loop runs, so it is warm before the first request."""
+class ResponseReceived(Plugin):
+    """Runs when the response headers arrive from the model server."""
 
     @abstractmethod
-    def start(self) -> None: ...
+    def response_received(self, request: InferenceRequest, result: SchedulingResult, status: int) -> None: ...
+
+
+class ResponseStreaming(Plugin):
+    """Runs on each chunk of the response body as it passes (keep it cheap: every streamed
+    token event of a completion crosses it)."""
+
+    @abstractmethod
+    def response_streaming(
+        self, request: InferenceRequest, result: SchedulingResult, chunk: bytes, end_of_stream: bool
+    ) -> None: ...
+
+
+class BackgroundWork(Plugin):
+    """A plugin with work of its own beside requests (e.g. subscribing to KV-cache events).
+
+    The config holder starts it once its config is installed on a running event loop, so it is
+    warm before the first request, and stops it when a new config no longer has it or the server
+    stops. Work shared by several configs lives in a persistent object (`Handle.persistent`),
+    whose release stops it; `start` and `stop` then only attach and detach.
+    """
+
+    @abstractmethod
+    def start(self) -> None:
+        """Begin the work on the running loop; a second call does nothing."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """End the work and wait until it has ended; a second call does nothing."""
 
 
 class SaturationDetector(Plugin):
@@ -218,41 +237,3 @@ class SaturationDetector(Plugin):
 
     @abstractmethod
     def saturation(self, candidates: Sequence[EndpointState]) -> float: ...
-
-
-class Handle:
-    """What a plugin factory gets besides its parameters.
-
-    - `datastore`: the pool's endpoints, metrics and in-flight counters (None in offline tools
-      such as `picker config validate`).
-    - `plugin(name)`: another plugin of the same config by name. Plugins are built in config
-      order, so look up plugins defined later lazily (on first use), not in the factory.
-    - `persistent(key, create)`: an object that survives config reloads (e.g. a prefix index),
-      created on first request; later configs get the same object for the same key.
-    """
-
-    def __init__(
-        self,
-        datastore: Datastore | None = None,
-        persistent_store: dict[str, Any] | None = None,
-    ) -> None:
-        self.datastore = datastore
-        self._plugins: dict[str, Plugin] = {}
-        self._persistent = persistent_store if persistent_store is not None else {}
-
-    def plugin(self, name: str) -> Plugin:
-        """The plugin instance called `name`; KeyError if there is none."""
-        return self._plugins[name]
-
-    def plugins(self) -> Mapping[str, Plugin]:
-        """All plugins built so far, by name."""
-        return self._plugins
-
-    def add_plugin(self, plugin: Plugin) -> None:
-        self._plugins[plugin.name] = plugin
-
-    def persistent(self, key: str, create: Callable[[], T]) -> T:
-        """The object stored under `key`, created by `create()` the first time."""
-        if key not in self._persistent:
-            self._persistent[key] = create()
-        return self._persistent[key]

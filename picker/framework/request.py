@@ -1,10 +1,12 @@
-"""The parsed form of one inference request, as the rest of the picker sees it."""
+"""A request and its outcome as plugins see them: the parsed form of one inference request (the
+reference's LLMRequest), the usage its response reported and how it ended."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 class Api(enum.Enum):

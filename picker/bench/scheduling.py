@@ -1,6 +1,6 @@
 """Benchmark: scheduling time per decision with the default config (or `--config-file`).
 
-    python -m picker.scheduling.bench [--endpoints 8,64,512] [--decisions 20000] [--config-file F]
+    python -m picker.bench.scheduling [--endpoints 8,64,512] [--decisions 20000] [--config-file F]
 
 Endpoints get random fresh metrics and in-flight counts; each decision is one
 `Scheduler.schedule` call (producers, filters, scorers, picker, metrics), timed over a loop.
@@ -13,10 +13,10 @@ import argparse
 import random
 import time
 
-from picker.config.runtime import RuntimeHolder
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
-from picker.request.model import Api, InferenceRequest
-from picker.scheduling.scheduler import Scheduler
+from picker.framework.request import Api, InferenceRequest
+from picker.requestcontrol.director import schedule
 from picker.telemetry.metrics import PLUGIN_DURATION
 
 
@@ -50,7 +50,7 @@ def plugin_totals() -> dict[str, tuple[float, float]]:
     return {key: (seconds, calls) for key, (seconds, calls) in totals.items()}
 
 
-def measure(scheduler: Scheduler, count: int, decisions: int) -> tuple[float, float, dict[str, float]]:
+def measure(runtime: Runtime, count: int, decisions: int) -> tuple[float, float, dict[str, float]]:
     """Mean wall and CPU seconds per decision over `decisions` calls at `count` endpoints, and
     mean wall seconds per timed plugin call. CPU time is the figure to trust on a shared, loaded
     machine."""
@@ -60,11 +60,11 @@ def measure(scheduler: Scheduler, count: int, decisions: int) -> tuple[float, fl
         request_id="bench", api=Api.CHAT_COMPLETIONS, model="m", target_model="m", prompt_text="hello " * 200
     )
     for _ in range(min(1000, decisions)):
-        scheduler.schedule(request, candidates)
+        schedule(runtime, request, candidates)
     before = plugin_totals()
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(decisions):
-        scheduler.schedule(request, candidates)
+        schedule(runtime, request, candidates)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     after = plugin_totals()
     per_plugin = {}
@@ -84,11 +84,10 @@ def main() -> None:
     holder = RuntimeHolder()
     if args.config_file:
         holder.load_file(args.config_file)
-    scheduler = holder.current.scheduler
     print(f"{'endpoints':>9}  {'wall µs':>8}  {'cpu µs':>8}  per plugin (wall µs)")
     for count in (int(c) for c in args.endpoints.split(",")):
         decisions = max(200, args.decisions * 8 // max(count, 8))
-        wall, cpu, per_plugin = measure(scheduler, count, decisions)
+        wall, cpu, per_plugin = measure(holder.current, count, decisions)
         split = ", ".join(f"{name} {seconds * 1e6:.1f}" for name, seconds in sorted(per_plugin.items()))
         print(f"{count:>9}  {wall * 1e6:>8.1f}  {cpu * 1e6:>8.1f}  {split}")
 

@@ -1,4 +1,4 @@
-"""Microbenchmark of the precise prefix index: `python -m picker.kvevents.bench [--blocks N] [--endpoints E]`.
+"""Microbenchmark of the precise prefix index: `python -m picker.bench.kvevents [--blocks N] [--endpoints E]`.
 
 Measures, in this process on one core:
 - scoring one request of N own blocks over E endpoints (endpoint i holds a prefix of
@@ -14,10 +14,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from picker.kvevents.decode import BlockStored, EventBatch, decode_message
-from picker.kvevents.encode import encode_message
+from picker.kvevents.decode import BlockStored, decode_message
+from picker.kvevents.precise import PreciseIndex
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.prefix.precise import PreciseIndex
+from picker.sim import kvcache
+from picker.sim.events import encode_batch
 
 MODEL = "bench-model"
 
@@ -34,7 +35,7 @@ def _per_call(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.kvevents.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m picker.bench.kvevents", description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=1000, help="blocks in the scored request (default 1000)")
     parser.add_argument("--endpoints", type=int, default=8, help="endpoints scored (default 8)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
@@ -55,8 +56,8 @@ def main(argv: list[str]) -> int:
     scores = index.score(keys, endpoints)
     score_s = _per_call(lambda: index.score(keys, endpoints))
 
-    stored = BlockStored(tuple(token_block_hashes(tokens, size, 99)), None, tuple(tokens), size)
-    frames = encode_message(f"kv@bench@{MODEL}", 0, EventBatch(0.0, (stored,)))
+    stored = kvcache.BlockStored(tuple(token_block_hashes(tokens, size, 99)), None, tuple(tokens), size, None)
+    frames = [f"kv@bench@{MODEL}".encode(), (0).to_bytes(8, "big"), encode_batch([stored], "positional")]
     fresh = PreciseIndex(size)
     fresh.track("bench", MODEL)
 
@@ -67,7 +68,10 @@ def main(argv: list[str]) -> int:
     apply_s = _per_call(apply_message)
     insert_s = _per_call(lambda: index.insert_speculative(endpoints[0], keys))
 
-    print(f"score {n} blocks over {len(endpoints)} endpoints: {score_s * 1e6:.0f} us/request (scores {[round(s, 3) for s in scores]})")
+    print(
+        f"score {n} blocks over {len(endpoints)} endpoints: {score_s * 1e6:.0f} us/request "
+        f"(scores {[round(s, 3) for s in scores]})"
+    )
     print(f"decode + apply a {n}-block BlockStored message: {apply_s * 1e3:.2f} ms ({n / apply_s:,.0f} blocks/s)")
     print(f"speculative insert of {n} blocks after a pick: {insert_s * 1e6:.0f} us")
     return 0

@@ -1,4 +1,5 @@
-"""Tokenizers for the simulator: a fast built-in word-level one, or a local Hugging Face one.
+"""The built-in tokenizer (the router's `builtin` prefix hashing and the simulator share it), and
+the simulator's tokenizer loader: built-in or a local Hugging Face one.
 
 The built-in tokenizer is pure and deterministic so the router side can reproduce its token ids
 exactly (same ids in every process, on every machine):

@@ -1,0 +1,406 @@
+"""The director: every request-time hook of one request, in the reference director's order.
+
+    parse (the config's Parser) → admission (saturation) → prepare data (async producers, then
+    every producer in dependency order) → schedule (the profiles) → pre-request
+    → response received → response streaming (each chunk) → response complete
+
+The director creates the request's `CycleState` and hands it to every hook; it counts the
+request in flight on its primary target and returns a `RoutedRequest`, which the ext_proc
+stream feeds with what it sees of the response (through methods) and finishes exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from time import perf_counter
+from typing import Any
+
+from picker.config.runtime import Runtime, RuntimeHolder, Step
+from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
+from picker.datastore.store import Datastore
+from picker.framework.cycle_state import CycleState
+from picker.framework.plugin import SchedulingResult
+from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
+from picker.request.errors import RequestError
+from picker.request.usage import SseUsageScanner, parse_usage
+from picker.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+# The reference bounds all PrepareData work of one request by 400 ms.
+PREPARE_TIMEOUT_SECONDS = 0.4
+# A non-streaming response body is kept (for its usage) only up to this size.
+MAX_RESPONSE_BUFFER = 4 << 20
+
+
+def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
+    """Endpoints named by the proxy's subset hint: `ip:port` entries match exactly, bare IPs
+    match every port of that IP (the reference matches on IP only)."""
+    addresses: set[str] = set()
+    ips: set[str] = set()
+    for entry in subset:
+        try:
+            split_host_port(entry)
+            addresses.add(entry)
+        except ValueError:
+            ips.add(entry.strip("[]"))
+    return [c for c in candidates if c.address in addresses or c.endpoint.ip in ips]
+
+
+def least_loaded(candidates: list[EndpointState]) -> EndpointState:
+    """Fewest in-flight requests, random among ties."""
+    fewest = min(c.in_flight_requests for c in candidates)
+    return random.choice([c for c in candidates if c.in_flight_requests == fewest])
+
+
+def prepare(
+    runtime: Runtime,
+    request: InferenceRequest,
+    candidates: Sequence[EndpointState],
+    cycle_state: CycleState,
+    timed: bool = False,
+) -> None:
+    """Run every data producer's `prepare`, in dependency order. As in the reference, a failing
+    producer is logged and does not fail the request; its consumers then find no data."""
+    for step in runtime.producers:
+        started = perf_counter()
+        try:
+            step.plugin.prepare(request, candidates, cycle_state)
+        except Exception:
+            log.exception("data producer %s failed for request %s", step.plugin.name, request.request_id)
+        if timed:
+            step.timer.observe(perf_counter() - started)
+
+
+def schedule(runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
+    """Prepare a new CycleState and schedule: the synchronous part of routing, for tools and
+    tests that route without the ext_proc stream (no admission, no async work, no hooks after)."""
+    timed = runtime.scheduler.next_cycle_timed()
+    cycle_state = CycleState()
+    prepare(runtime, request, candidates, cycle_state, timed)
+    return runtime.scheduler.schedule(request, candidates, cycle_state, timed)
+
+
+def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: InferenceRequest, *args: Any) -> None:
+    """Call `method` on every plugin of `steps`; one failing is logged, the others still run."""
+    for step in steps:
+        started = perf_counter()
+        try:
+            getattr(step.plugin, method)(request, *args)
+        except Exception:
+            log.exception("%s of plugin %s failed for request %s", method, step.plugin.name, request.request_id)
+        if timed:
+            step.timer.observe(perf_counter() - started)
+
+
+class RoutedRequest:
+    """One routed request, from the pick until its response ends (or the stream dies).
+
+    The ext_proc stream reports the response through `response_headers`, `response_body`,
+    `response_trailers` and `finish`; the first end (or `finish`) releases the in-flight slot
+    and runs the ResponseComplete hooks, later calls do nothing.
+    """
+
+    __slots__ = (
+        "_over_cap",
+        "_response_buffer",
+        "_sse",
+        "body",
+        "director",
+        "done",
+        "first_byte_at",
+        "request",
+        "response_bytes",
+        "result",
+        "runtime",
+        "served",
+        "started",
+        "status",
+        "targets",
+        "tokens",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        director: Director,
+        request: InferenceRequest | None,
+        targets: list[str],
+        tokens: int,
+        runtime: Runtime | None = None,
+        result: SchedulingResult | None = None,
+        body: bytes = b"",
+    ) -> None:
+        self.director = director
+        self.request = request
+        self.runtime = runtime  # the config the request was scheduled with, even after a reload
+        self.result = result
+        self.targets = targets
+        self.tokens = tokens
+        self.body = body  # what to forward: the request body, with the model rewritten if it was
+        self.started = time.monotonic()
+        self.first_byte_at: float | None = None
+        self.status = 0
+        self.served: str | None = None
+        self.usage: Usage | None = None
+        self.response_bytes = 0
+        self.done = False
+        self._sse: SseUsageScanner | None = None
+        self._response_buffer: list[bytes] | None = None
+        self._over_cap = False
+
+    @property
+    def destination(self) -> str:
+        """The header / metadata value: the ordered fallback list."""
+        return ",".join(self.targets)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the client asked for a streamed response."""
+        return self.request is not None and self.request.stream
+
+    def response_headers(self, status: int, served: str | None, content_type: str, end_of_stream: bool) -> None:
+        """The model server's response headers arrived (`served`: the endpoint Envoy reports)."""
+        self.status = status
+        self.served = served or self.served
+        if "text/event-stream" in content_type:
+            self._sse = SseUsageScanner()
+        else:
+            self._response_buffer = []
+        runtime, result, request = self.runtime, self.result, self.request
+        if runtime is not None and result is not None and request is not None and runtime.response_received:
+            _run_hooks(runtime.response_received, "response_received", result.timed, request, result, status)
+        if end_of_stream:
+            self.finish()
+
+    def response_body(self, chunk: bytes, end_of_stream: bool, served: str | None = None) -> None:
+        """A chunk of the response body passed; usage is read from it (SSE or whole JSON)."""
+        if self.first_byte_at is None and chunk:
+            self.first_byte_at = time.monotonic()
+        self.response_bytes += len(chunk)
+        if self.served is None:
+            self.served = served
+        if self._sse is not None:
+            self._sse.feed(chunk)
+            if end_of_stream:
+                self.usage = self._sse.usage
+        elif self._response_buffer is not None and not self._over_cap:
+            if self.response_bytes > MAX_RESPONSE_BUFFER:
+                self._over_cap = True
+                self._response_buffer = None
+            else:
+                self._response_buffer.append(chunk)
+                if end_of_stream:
+                    self.usage = parse_usage(b"".join(self._response_buffer))
+        runtime, result, request = self.runtime, self.result, self.request
+        if runtime is not None and result is not None and request is not None and runtime.response_streaming:
+            _run_hooks(
+                runtime.response_streaming, "response_streaming", result.timed, request, result, chunk, end_of_stream
+            )
+        if end_of_stream:
+            self.finish()
+
+    def response_trailers(self) -> None:
+        """The response ended with trailers."""
+        if self._sse is not None:
+            self.usage = self._sse.usage
+        self.finish()
+
+    def finish(self, error: str | None = None) -> None:
+        """Release the in-flight slot and record the outcome; later calls do nothing."""
+        if self.done:
+            return
+        self.done = True
+        self.director.complete(self, error)
+
+
+class _ModelSeries:
+    """The per-model metric children a request touches, looked up once per model pair."""
+
+    __slots__ = ("cached", "duration", "input", "labels", "output", "response_sizes", "running", "sizes", "ttft")
+
+    def __init__(self, model: str, target: str) -> None:
+        labels = (model, target)
+        self.labels = labels
+        self.running = metrics.RUNNING_REQUESTS.labels(model)
+        self.sizes = metrics.REQUEST_SIZES.labels(*labels)
+        self.duration = metrics.REQUEST_DURATION.labels(*labels)
+        self.response_sizes = metrics.RESPONSE_SIZES.labels(*labels)
+        self.ttft = metrics.TTFT.labels(*labels)
+        self.input = metrics.INPUT_TOKENS.labels(*labels)
+        self.output = metrics.OUTPUT_TOKENS.labels(*labels)
+        self.cached = metrics.CACHED_TOKENS.labels(*labels)
+
+
+class Director:
+    """Routes requests over the datastore's endpoints with the installed config.
+
+    `tenant_header` names the request header that scopes prefix state by tenant;
+    `staleness_threshold` the age after which an endpoint's scraped metrics count as stale
+    (None: never).
+    """
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        runtimes: RuntimeHolder,
+        staleness_threshold: float | None = None,
+        tenant_header: str | None = None,
+    ) -> None:
+        self.datastore = datastore
+        self.runtimes = runtimes
+        self.staleness_threshold = staleness_threshold
+        self.tenant_header = tenant_header
+        self._series: dict[tuple[str, str], _ModelSeries] = {}
+        self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
+        datastore.add_listener(self._forget_endpoints)
+
+    def _forget_endpoints(self, old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
+        """Drop the metric series of endpoints that left, so churn does not grow them forever."""
+        for address in old.keys() - new.keys():
+            if self._endpoint_series.pop(address, None) is not None:
+                metrics.ROUTED_TOTAL.remove(address)
+                metrics.IN_FLIGHT.remove(address)
+
+    def _model_series(self, request: InferenceRequest) -> _ModelSeries:
+        key = (request.model, request.target_model)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _ModelSeries(*key)
+        return series
+
+    def candidates(self, subset: Sequence[str] | None) -> list[EndpointState]:
+        candidates = self.datastore.snapshot()
+        if subset is not None:
+            candidates = filter_subset(candidates, subset)
+            if not candidates:
+                raise RequestError("ServiceUnavailable", "no endpoint in the subset hint is in the pool")
+        elif not candidates:
+            raise RequestError("ServiceUnavailable", "no ready endpoints in the pool")
+        return self._fresh_if_any(candidates)
+
+    def _fresh_if_any(self, candidates: list[EndpointState]) -> list[EndpointState]:
+        """The candidates with fresh metrics, or all of them when none is fresh.
+
+        A pod whose scrapes fail (dead, hung, serving garbage) keeps its last metrics, or none,
+        and would look idle to the scorers: a dead pod still listed would draw traffic. When
+        nothing is fresh (no scraping configured, or the whole pool unreachable) every
+        candidate stays, so routing never stops for want of metrics.
+        """
+        if self.staleness_threshold is None:
+            return candidates
+        now = time.monotonic()
+        fresh = [c for c in candidates if c.metrics_age(now) <= self.staleness_threshold]
+        return fresh or candidates
+
+    def route_without_body(self, subset: Sequence[str] | None) -> RoutedRequest:
+        """Pick for a request that has no body to schedule on (e.g. GET /v1/models)."""
+        primary = least_loaded(self.candidates(subset)).address
+        self._count(primary, 0)
+        return RoutedRequest(self, None, [primary], 0)
+
+    async def route(self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None) -> RoutedRequest:
+        """Parse, admit, prepare, schedule and count one request; raises RequestError (400,
+        429, 503) when it cannot be routed. `headers` have lower-case names."""
+        runtime = self.runtimes.current
+        request_id = headers.get("x-request-id") or str(uuid.uuid4())
+        request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
+        candidates = self.candidates(subset)
+        self._admit(runtime, request, candidates)
+        timed = runtime.scheduler.next_cycle_timed()
+        cycle_state = CycleState()
+        await self._prepare_async(runtime, request, candidates, cycle_state, timed)
+        prepare(runtime, request, candidates, cycle_state, timed)
+        result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
+        _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
+        targets = [t.address for t in result.targets]
+        tokens = request.estimated_prompt_tokens()
+        self._count(targets[0], tokens)
+        series = self._model_series(request)
+        metrics.REQUEST_TOTAL.labels(*series.labels, str(runtime.priority(request))).inc()
+        series.sizes.observe(request.size_bytes)
+        series.running.inc()
+        forwarded = body if request.target_model == request.model else runtime.parser.rewrite_model(request)
+        return RoutedRequest(self, request, targets, tokens, runtime, result, forwarded)
+
+    def _admit(self, runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+        """The reference's legacy admission: shed a sheddable request (priority < 0) with
+        ResourceExhausted (429) when the candidates are saturated; others always pass."""
+        if runtime.priority(request) < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
+            raise RequestError("ResourceExhausted", "the pool is saturated and the request is sheddable")
+
+    async def _prepare_async(
+        self,
+        runtime: Runtime,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState,
+        timed: bool,
+    ) -> None:
+        """Await the producers' async preparation, bounded by 400 ms in total; a timeout or
+        failure is logged and `prepare` then works without it."""
+        if not runtime.async_producers:
+            return
+        try:
+            async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
+                for step in runtime.async_producers:
+                    await step.plugin.prepare_async(request, candidates, cycle_state)
+        except TimeoutError:
+            log.warning("async data preparation for request %s timed out", request.request_id)
+        except Exception:
+            log.exception("async data preparation failed for request %s", request.request_id)
+
+    def _endpoint_metrics(self, address: str) -> tuple[Any, Any]:
+        series = self._endpoint_series.get(address)
+        if series is None:
+            series = self._endpoint_series[address] = (
+                metrics.ROUTED_TOTAL.labels(address),
+                metrics.IN_FLIGHT.labels(address),
+            )
+        return series
+
+    def _count(self, primary: str, tokens: int) -> None:
+        self.datastore.acquire(primary, tokens)
+        routed, in_flight = self._endpoint_metrics(primary)
+        routed.inc()
+        in_flight.set(self.datastore.in_flight(primary))
+
+    def complete(self, routed: RoutedRequest, error: str | None) -> None:
+        """The response ended (or the stream died): release, run ResponseComplete, record."""
+        primary = routed.targets[0]
+        self.datastore.release(primary, routed.tokens)
+        self._endpoint_metrics(primary)[1].set(self.datastore.in_flight(primary))
+        request = routed.request
+        if request is None:
+            return
+        now = time.monotonic()
+        outcome = ResponseOutcome(
+            endpoint=routed.served or primary,
+            status=routed.status,
+            ttft_seconds=None if routed.first_byte_at is None else routed.first_byte_at - routed.started,
+            duration_seconds=now - routed.started,
+            usage=routed.usage,
+            error=error,
+        )
+        runtime, result = routed.runtime, routed.result
+        if runtime is not None and result is not None:
+            _run_hooks(runtime.response_complete, "response_complete", result.timed, request, result, outcome)
+        series = self._model_series(request)
+        series.running.dec()
+        series.duration.observe(outcome.duration_seconds)
+        series.response_sizes.observe(routed.response_bytes)
+        if outcome.ttft_seconds is not None:
+            series.ttft.observe(outcome.ttft_seconds)
+        if error is not None:
+            metrics.REQUEST_ERROR_TOTAL.labels(*series.labels, error).inc()
+        elif outcome.status and outcome.status != 200:
+            metrics.REQUEST_ERROR_TOTAL.labels(*series.labels, "ModelServerError").inc()
+        if outcome.usage is not None:
+            series.input.observe(outcome.usage.prompt_tokens)
+            series.output.observe(outcome.usage.completion_tokens)
+            series.cached.observe(outcome.usage.cached_tokens)
