@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install test demo bench clean
+.PHONY: install test check demo bench clean
 
 install: $(STAMP)
 
@@ -26,9 +26,15 @@ $(DEMO_STAMP): pyproject.toml
 
 # The e2e tests run a real kube-apiserver (built once from the official Go module and cached in
 # ~/.cache/picker/bin), etcd and helm: tools/install-test-binaries.sh provides them.
-test: install
+test: install check
 	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/.
+check: install
+	$(BIN)/ruff check picker tests
+	$(BIN)/ruff format --check picker tests
+	$(BIN)/mypy
 
 demo: $(DEMO_STAMP)
 	$(BIN)/picker demo
