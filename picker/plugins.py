@@ -18,6 +18,7 @@ from picker.prefix.plugins import (
     PrefixCacheScorer,
     TtftCostScorer,
 )
+from picker.prefix.session import SessionAffinityScorer
 from picker.request.parser import OpenAIParser
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
@@ -54,6 +55,7 @@ REGISTRY = Registry(
         Registration(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create),
         Registration(CacheFitScorer.plugin_type, CacheFitScorer.create),
         Registration(TtftCostScorer.plugin_type, TtftCostScorer.create),
+        Registration(SessionAffinityScorer.plugin_type, SessionAffinityScorer.create),
         # kvevents: the precise index fed by the engines' KV-cache events
         Registration(PreciseScorer.plugin_type, PreciseScorer.create),
         # datalayer: what to scrape and read

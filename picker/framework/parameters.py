@@ -105,6 +105,15 @@ class Parameters:
             raise PluginConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
         return self._keep(key, value)
 
+    def strings(self, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        """A list of non-empty strings."""
+        value = self._get(key)
+        if value is None:
+            return self._keep(key, default, list(default))
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise PluginConfigError(f"{key}: must be a list of non-empty strings, got {value!r}")
+        return self._keep(key, tuple(value), list(value))
+
     def duration(self, key: str, default: float) -> float:
         """A Go-style duration string ("200ms") or a number of seconds, as seconds (>= 0)."""
         value = self._get(key)

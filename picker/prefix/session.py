@@ -1,0 +1,157 @@
+"""`session-affinity-scorer`: a conversation's next turn goes back to where its history is cached.
+
+Clients already name their conversations: OpenAI's `prompt_cache_key` (sent for exactly this
+purpose), `user`, or a header the operator configures. The scorer remembers, per tenant, model
+and session, the endpoint its last turn was routed to, and scores that endpoint 1 (every other
+0). The prompt's own blocks say the same when the index still holds them; the session says it
+when they cannot: the approximate index evicted them, the prompt was reformatted, or a tenant
+has no tokenizer configured.
+
+It is a soft affinity, never a pin: its weight bounds how far it can outweigh the load scorers,
+and an endpoint whose load would pass `maxLoadFactor` × (mean load + 1) loses it altogether
+(`picker.prefix.hotspot`), so a busy holder sheds the conversation to the next best endpoint,
+where the next turns then follow it.
+
+Parameters: `fields` (["prompt_cache_key", "user"]: body fields naming the session, first
+present wins), `header` (none: a request header naming it, checked before the fields),
+`maxLoadFactor` (2.0; 0 turns the bound off), `idleTimeout` ("10m": a session unseen that long
+is forgotten), `capacity` (100000 sessions, least recently used forgotten first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from picker.datastore.endpoint import Endpoint, EndpointState
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.plugin import PreRequest, SchedulingResult, Scorer, ScorerCategory
+from picker.framework.request import InferenceRequest
+from picker.prefix.hotspot import over_bound
+
+if TYPE_CHECKING:
+    from picker.datastore.store import Datastore, EndpointListener
+
+SessionKey = tuple[str | None, str, str]  # tenant, model, session
+
+
+class SessionTable:
+    """The endpoint each session was last routed to: bounded in size and in idle time."""
+
+    def __init__(self, capacity: int, idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._entries: OrderedDict[SessionKey, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def endpoint(self, key: SessionKey) -> str | None:
+        """Where `key`'s last turn went, unless it has been idle too long."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        address, seen = entry
+        if self._clock() - seen > self.idle_timeout_s:
+            del self._entries[key]
+            return None
+        return address
+
+    def record(self, key: SessionKey, address: str) -> None:
+        """`key`'s latest turn went to `address`."""
+        entries = self._entries
+        entries[key] = (address, self._clock())
+        entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def forget(self, addresses: set[str]) -> None:
+        """Drop the sessions of endpoints that left the pool."""
+        for key in [k for k, (address, _) in self._entries.items() if address in addresses]:
+            del self._entries[key]
+
+
+class SessionAffinityScorer(Scorer, PreRequest):
+    """`session-affinity-scorer`: see the module docstring."""
+
+    plugin_type = "session-affinity-scorer"
+    category = ScorerCategory.AFFINITY
+
+    def __init__(
+        self, name: str, table: SessionTable, fields: Sequence[str], header: str | None, max_load_factor: float
+    ) -> None:
+        super().__init__(name)
+        self.table = table
+        self.fields = tuple(fields)
+        self.header = header
+        self.max_load_factor = max_load_factor
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> SessionAffinityScorer:
+        p = Parameters(parameters)
+        fields = p.strings("fields", ("prompt_cache_key", "user"))
+        header = p.string("header", "")
+        factor = p.number("maxLoadFactor", 2.0, at_least=0)
+        idle = p.duration("idleTimeout", 600.0)
+        capacity = p.integer("capacity", 100_000, at_least=1)
+        effective = p.finish()
+        if idle <= 0:
+            raise PluginConfigError(f"idleTimeout: must be positive, got {parameters.get('idleTimeout')!r}")
+        table = handle.persistent(f"prefix/sessions:{capacity}:{idle}", lambda: SessionTable(capacity, idle))
+        datastore = handle.datastore
+        if datastore is not None:
+            handle.persistent(
+                f"prefix/sessions:{capacity}:{idle}/listener",
+                lambda: _forget_departed(datastore, table),
+                datastore.remove_listener,
+            )
+        scorer = cls(name, table, fields, header.lower() or None, factor)
+        scorer.parameters = effective
+        return scorer
+
+    def session(self, request: InferenceRequest) -> SessionKey | None:
+        """The request's session key, scoped by tenant and model; None without one."""
+        value: object = None
+        if self.header is not None:
+            value = request.headers.get(self.header)
+        body = request.body
+        for field in self.fields:
+            if value:
+                break
+            value = body.get(field)
+        if not isinstance(value, str) or not value:
+            return None
+        return (request.tenant, request.target_model, value)
+
+    def score(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> Sequence[float]:
+        key = self.session(request)
+        address = None if key is None else self.table.endpoint(key)
+        if address is None:
+            return [0.0] * len(candidates)
+        bounded = over_bound(candidates, self.max_load_factor)
+        return [1.0 if c.address == address and not past else 0.0 for c, past in zip(candidates, bounded)]
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        key = self.session(request)
+        if key is not None and result.targets:
+            self.table.record(key, result.targets[0].address)
+
+
+def _forget_departed(datastore: Datastore, table: SessionTable) -> EndpointListener:
+    """Make `table` forget endpoints as they leave the pool; the listener is returned so that
+    releasing the table removes it."""
+
+    def forget(old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
+        departed = set(old.keys() - new.keys())
+        if departed:
+            table.forget(departed)
+
+    datastore.add_listener(forget)
+    return forget
