@@ -122,7 +122,7 @@ class Runtime:
         self.pre_request = _steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest")
         self.response_received = _steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived")
         self.response_streaming = _steps(
-            [p for p in everything if isinstance(p, ResponseStreaming)], "ResponseStreaming"
+            [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses], "ResponseStreaming"
         )
         self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
         self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))

@@ -206,7 +206,13 @@ class ResponseReceived(Plugin):
 
 class ResponseStreaming(Plugin):
     """Runs on each chunk of the response body as it passes (keep it cheap: every streamed
-    token event of a completion crosses it)."""
+    token event of a completion crosses it). A plugin whose parameters leave it nothing to do
+    sets `streams_responses` False, and the director does not call it."""
+
+    @property
+    def streams_responses(self) -> bool:
+        """Whether this instance wants the response chunks."""
+        return True
 
     @abstractmethod
     def response_streaming(

@@ -2,5 +2,6 @@
 `token_cache`), block hashing (`hashing`, `chars`, `prompt_blocks`), the approximate index
 (`index`), the TTFT cost model (`ttft`), the hot-spot bound (`hotspot`) and their plugins.
 
-May import: framework, scheduling (scorer base), datastore, telemetry. Never kvevents or sim.
+May import: framework, scheduling (scorer base), request (response text), datastore, telemetry.
+Never kvevents or sim.
 """

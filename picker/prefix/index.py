@@ -113,13 +113,16 @@ class PrefixIndex:
                 matched[endpoint] = depth
         return matched
 
-    def insert(self, endpoint: str, hashes: Sequence[int], capacity: int | None = None) -> None:
+    def insert(
+        self, endpoint: str, hashes: Sequence[int], capacity: int | None = None, count_reuse: bool = True
+    ) -> None:
         """Record that `endpoint` now holds every block of `hashes`.
 
         `capacity` applies when the endpoint's LRU is created (the reference's autoTune sets it
         from the engine's KV block count then). Blocks are touched last-to-first so the first
         blocks are the most recent: eviction then drops a prefix's tail before its head, as an
-        engine does, and matches stay unbroken.
+        engine does, and matches stay unbroken. With `count_reuse` False, blocks already held are not
+        counted as sent again (the same request's prompt, extended by its answer).
         """
         lru = self._lrus.get(endpoint)
         if lru is None:
@@ -131,7 +134,8 @@ class PrefixIndex:
         for block in reversed(hashes):
             if block in lru:
                 lru.move_to_end(block)
-                reused.append(block)
+                if count_reuse:
+                    reused.append(block)
                 continue
             lru[block] = None
             added += 1

@@ -43,18 +43,21 @@ from picker.framework.plugin import (
     DataProducer,
     PreRequest,
     ResponseComplete,
+    ResponseStreaming,
     SchedulingResult,
     Scorer,
     ScorerCategory,
 )
 from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.prefix.chars import CHARS_PER_TOKEN
+from picker.prefix.hashing import token_block_hashes
 from picker.prefix.hotspot import over_bound
 from picker.prefix.index import DEFAULT_LRU_CAPACITY, DEFAULT_REUSE_WINDOW_S, PrefixIndex
 from picker.prefix.prompt_blocks import TOKENS, BlockSizing, PromptBlocks, PromptHasher
 from picker.prefix.token_cache import DEFAULT_CAPACITY_TOKENS, TokenPrefixCache
 from picker.prefix.tokenizer import PromptTokenizer, load_prompt_tokenizer
 from picker.prefix.ttft import TtftEstimate, TtftModel, TtftPriors, ttft_scores
+from picker.request.completion import completion_text
 from picker.scheduling.scorers import ParameterlessScorer
 from picker.telemetry.metrics import (
     PREFIX_EXPECTED_CACHED_TOKENS,
@@ -143,6 +146,8 @@ class Pick(NamedTuple):
 
 
 _PICK_KEY = StateKey("approx-prefix-cache-producer/pick", Pick)
+# The answer's chunks as they stream back (`indexResponses`, token-hashed prompts only).
+_RESPONSE_KEY = StateKey("approx-prefix-cache-producer/response", list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,7 @@ class PrefixConfig:
     tokenizers: Mapping[str, str] = field(default_factory=dict)
     token_cache_tokens: int = DEFAULT_CAPACITY_TOKENS
     reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
+    index_responses: bool = False
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> tuple[PrefixConfig, dict[str, Any]]:
@@ -178,6 +184,7 @@ class PrefixConfig:
             tokenizers=_tokenizer_specs(p.mapping("tokenizers")),
             token_cache_tokens=p.integer("tokenCacheTokens", DEFAULT_CAPACITY_TOKENS, at_least=1),
             reuse_window_s=p.number("reuseWindowSeconds", DEFAULT_REUSE_WINDOW_S, above=0),
+            index_responses=p.boolean("indexResponses", False),
         )
         return config, p.finish()
 
@@ -203,7 +210,7 @@ def _tokenizer_specs(raw: Mapping[str, Any]) -> dict[str, str]:
     return specs
 
 
-class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
+class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, ResponseComplete):
     """`approx-prefix-cache-producer`: see the module docstring.
 
     Reference parameters: `autoTune` (true: block size from the first candidate's engine
@@ -221,6 +228,11 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
     - `tokenCacheTokens` (4,000,000): capacity of the tokenized-prefix cache.
     - `reuseWindowSeconds` (30): blocks sent to an endpoint again within this long count as its
       reused working set (`cache-fit-scorer`).
+    - `indexResponses` (false): for token-hashed prompts, read the answer as it streams back
+      (the gateway's response phases must reach the picker) and, once it has ended, record the
+      prompt and the answer's full blocks at the endpoint that served it: the engine caches the
+      tokens it generated, and a chat client sends the answer back as the start of the next
+      turn, so the next turn's match covers the whole history.
     """
 
     plugin_type = "approx-prefix-cache-producer"
@@ -332,6 +344,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         # Remember what was expected at pick time; the response teaches the TTFT model.
         work_ahead = self.ttft.work_ahead(target)
         result.cycle_state[_PICK_KEY] = Pick(target.address, expected, work_ahead)
+        if self.config.index_responses and blocks.token_ids is not None:
+            result.cycle_state[_RESPONSE_KEY] = []
         self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
         targets = [target]
         prefill = result.profile_results.get(PREFILL_PROFILE)
@@ -341,6 +355,17 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
             self.index.insert(state.address, blocks.hashes, self._capacity(state))
         PREFIX_INDEXER_SIZE.set(len(self.index))
 
+    @property
+    def streams_responses(self) -> bool:
+        return self.config.index_responses
+
+    def response_streaming(
+        self, request: InferenceRequest, result: SchedulingResult, chunk: bytes, end_of_stream: bool
+    ) -> None:
+        chunks = result.cycle_state.read(_RESPONSE_KEY)
+        if chunks is not None and chunk:
+            chunks.append(chunk)
+
     def response_complete(
         self,
         request: InferenceRequest,
@@ -348,6 +373,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
         outcome: ResponseOutcome,
     ) -> None:
         pick = result.cycle_state.read(_PICK_KEY)
+        if pick is not None and 200 <= outcome.status < 300 and outcome.endpoint in ("", pick.address):
+            self._index_response(request, result.cycle_state, pick.address)
         usage = outcome.usage
         if pick is None or usage is None or usage.prompt_tokens <= 0:
             return
@@ -368,6 +395,25 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseComplete):
                 "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": cached,
             }
+
+    def _index_response(self, request: InferenceRequest, cycle_state: CycleState, address: str) -> None:
+        """Record the prompt and its answer's full blocks at `address` (`indexResponses`)."""
+        chunks = cycle_state.read(_RESPONSE_KEY)
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        if not chunks or blocks is None or blocks.token_ids is None:
+            return
+        tokenizer = self.hasher.tokenizer_for(request.target_model)
+        text = completion_text(b"".join(chunks))
+        size = blocks.block_tokens
+        if tokenizer is None or not text or len(blocks.token_ids) // size != len(blocks.hashes):
+            return  # no answer, or a prompt cut at the block cap: its chain cannot be continued
+        hashed = len(blocks.hashes) * size
+        tail = [*blocks.token_ids[hashed:], *tokenizer.encode_batch([text])[0]]
+        parent = blocks.hashes[-1] if blocks.hashes else blocks.seed
+        answer = token_block_hashes(tail, size, parent)
+        if answer:
+            self.index.insert(address, [*blocks.hashes, *answer], count_reuse=False)
+            PREFIX_INDEXER_SIZE.set(len(self.index))
 
     def _capacity(self, state: EndpointState) -> int | None:
         if self.config.auto_tune and state.metrics.cache_num_blocks > 0:

@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from picker.prefix.builtin_tokenizer import encode
@@ -60,6 +60,22 @@ OUTPUT_WORDS = [
     "cache",
 ]
 OUTPUT_IDS = [encode(w)[0] for w in OUTPUT_WORDS]
+
+
+def answer_offset(prompt_ids: Sequence[int]) -> int:
+    """Where in OUTPUT_WORDS the answer to a prompt starts: a function of the prompt alone, so a
+    prompt gets the same answer on every pod and in every run, and a benchmark can put that
+    answer into the conversation's next turn, as chat clients do (the engine then finds the
+    answer's blocks cached, as vLLM does for generated tokens)."""
+    return hash(tuple(prompt_ids[-16:])) % len(OUTPUT_WORDS)
+
+
+def answer_text(prompt_ids: Sequence[int], max_tokens: int) -> str:
+    """The text the simulator answers `prompt_ids` with when it generates `max_tokens` tokens."""
+    offset = answer_offset(prompt_ids)
+    return " ".join(OUTPUT_WORDS[(offset + i) % len(OUTPUT_WORDS)] for i in range(max_tokens))
+
+
 _BACK_TO_BACK = 0.002  # a step that starts this soon after the last one continues its clock
 
 
@@ -142,7 +158,7 @@ class Request:
         # Called by the step loop for each new token instead of waking the handler: lets a
         # streaming response write its chunk without a task switch per token.
         self.on_token: Callable[[Request], None] | None = None
-        self.word_offset = rid % len(OUTPUT_WORDS)
+        self.word_offset = answer_offset(prompt_ids)
 
     def output_word(self, index: int) -> str:
         """The text of output token `index`."""
