@@ -12,6 +12,17 @@ others). A router can only do worse: its pods' caches together hold at most that
 blocks enter a pod only when a request routed there computes them, and no online eviction beats
 Belady's. Every counted block is a hit, not only a prompt's leading ones, which errs upwards.
 
+Engines do not evict optimally but least recently used, so the bench also reports the *LRU
+fleet* figure: one LRU cache of the same capacity, each prompt hitting its leading blocks found in
+the cache (up to the first miss, never the last token's block) and then touching all its blocks.
+It is what LRU engines would hit if routing were perfect and the fleet were one pool: a
+reference, not a bound. A router can fall short of it (each pod is a separate, smaller LRU;
+engines also keep running requests' and outputs' blocks) but can also beat it: splitting prompts
+across pods can keep a prefix that one shared LRU would have let a burst of other prompts push out.
+
+Both finite caches depend on the order of the prompts: the bench takes them in the order they
+are expected to arrive (`picker.bench.runner.arrival_order`).
+
 The same walk gives a TTFT floor on the simulator: every prompt with its infinite-cache hits,
 prefilled alone on an idle engine. A request's TTFT can only be longer, so no router's TTFT
 percentiles can be lower than the floor's.
@@ -21,12 +32,76 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from picker.prefix.hashing import token_block_hashes
 from picker.sim.profiles import Profile
 
 _ROOT = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """A prompt as a prefix cache sees it: its full blocks' chained hashes, how many leading
+    blocks can hit (never the one holding the last token) and its length in tokens."""
+
+    hashes: tuple[int, ...]
+    limit: int
+    tokens: int
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], block_size: int, generated: Sequence[int] = ()) -> PromptBlocks:
+        """The blocks of `token_ids` in blocks of `block_size` tokens, followed by those of the
+        `generated` answer that the engine computes (all but its last token) and caches too: a
+        chat client's next turn resends the answer, and hits them."""
+        hashes = tuple(token_block_hashes([*token_ids, *generated[:-1]], block_size, _ROOT))
+        return cls(hashes, (len(token_ids) - 1) // block_size, len(token_ids))
+
+
+def leading_run(n: int, present: Callable[[int], bool]) -> int:
+    """How many of positions 0..n-1 are present before the first absent one, for a set where
+    position j present implies every position before j present (binary search)."""
+    low, high = 0, n
+    while low < high:
+        mid = (low + high + 1) // 2
+        if present(mid - 1):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+class BlockLRU:
+    """One least-recently-used cache of KV blocks, keyed by chained block hashes.
+
+    Blocks only enter through `touch` with a whole prompt's chain, each block touched after the
+    ones behind it (vLLM frees a finished request's blocks tail first, so its tail is evicted
+    first). A block is then always more recent than the blocks after it in any chain, so the
+    cache only ever holds whole prefixes of chains, which `cached_prefix` relies on.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = max(0, capacity_blocks)
+        self.blocks: OrderedDict[int, None] = OrderedDict()  # least recent first
+
+    def cached_prefix(self, hashes: Sequence[int], limit: int) -> int:
+        """How many leading blocks of `hashes` (at most `limit`) are cached."""
+        blocks = self.blocks
+        return leading_run(min(limit, len(hashes)), lambda j: hashes[j] in blocks)
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """A prompt's blocks were computed or reused: they become the most recent, the first
+        block most recent of all; least recent blocks are evicted beyond the capacity."""
+        blocks = self.blocks
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
 
 class PrefixBound:
@@ -39,20 +114,22 @@ class PrefixBound:
         self.seen: set[int] = set()
         self.prompt_tokens = 0
         self.hit_tokens = 0
-        self.accesses: list[tuple[list[int], int]] = []  # per prompt: block hashes, blocks that can hit
+        self.accesses: list[tuple[tuple[int, ...], int]] = []  # per prompt: block hashes, blocks that can hit
 
     def add(self, token_ids: Sequence[int]) -> int:
         """Count one prompt, then remember its blocks; return its cached (hit) tokens."""
-        hashes = token_block_hashes(token_ids, self.block_size, _ROOT)
-        limit = (len(token_ids) - 1) // self.block_size
+        return self.add_blocks(PromptBlocks.of(token_ids, self.block_size))
+
+    def add_blocks(self, prompt: PromptBlocks) -> int:
+        """`add` for a prompt already cut into blocks of this bound's block size."""
         hits = 0
-        for h in hashes[:limit]:
+        for h in prompt.hashes[: prompt.limit]:
             if h not in self.seen:
                 break
             hits += 1
-        self.seen.update(hashes)
-        self.accesses.append((hashes, limit))
-        self.prompt_tokens += len(token_ids)
+        self.seen.update(prompt.hashes)
+        self.accesses.append((prompt.hashes, prompt.limit))
+        self.prompt_tokens += prompt.tokens
         self.hit_tokens += hits * self.block_size
         return hits * self.block_size
 
@@ -66,6 +143,12 @@ class PrefixBound:
         if not self.prompt_tokens:
             return 0.0
         return belady_hits(self.accesses, capacity_blocks) * self.block_size / self.prompt_tokens
+
+    def lru_ratio(self, capacity_blocks: int) -> float:
+        """The LRU fleet figure (module doc) for caches holding `capacity_blocks` in all."""
+        if not self.prompt_tokens:
+            return 0.0
+        return lru_hits(self.accesses, capacity_blocks) * self.block_size / self.prompt_tokens
 
 
 def belady_hits(prompts: Sequence[tuple[Sequence[int], int]], capacity_blocks: int) -> int:
@@ -103,6 +186,17 @@ def belady_hits(prompts: Sequence[tuple[Sequence[int], int]], capacity_blocks: i
             del cache[heapq.heappop(farthest)[1]]
         cache[block] = use
         heapq.heappush(farthest, (-use, block))
+    return hits
+
+
+def lru_hits(prompts: Sequence[tuple[Sequence[int], int]], capacity_blocks: int) -> int:
+    """Block hits of one LRU cache of `capacity_blocks` over prompts given as (block hashes, how
+    many leading blocks can hit): each prompt hits its cached leading blocks, then touches all."""
+    cache = BlockLRU(capacity_blocks)
+    hits = 0
+    for hashes, limit in prompts:
+        hits += cache.cached_prefix(hashes, limit)
+        cache.touch(hashes)
     return hits
 
 

@@ -15,7 +15,7 @@ from picker.bench import workloads
 from picker.bench.runner import BenchPlan, bounds_of, run
 from picker.bench.systems import KINDS, FleetOptions, parse_systems
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation")
 # Flags that override one field of a workload spec: flag dest -> spec field.
 SPEC_FLAGS = {
     "shared-prefix": {
@@ -40,8 +40,23 @@ SPEC_FLAGS = {
         "question_len": "question_len",
         "output_len": "output_len",
     },
+    "conversation": {
+        "applications": "applications",
+        "application_skew": "application_skew",
+        "system_prompt_len": "system_prompt_len",
+        "max_turns": "max_turns",
+        "turns_exponent": "turns_exponent",
+        "question_len": "user_len",
+        "output_len": "answer_len",
+        "think_time": "think_time_s",
+        "think_scale": "think_scale",
+        "one_off_share": "one_off_share",
+        "one_off_len": "one_off_len",
+    },
 }
-WorkloadSpec = workloads.SharedPrefixSpec | workloads.MultiTurnSpec | workloads.LongDocSpec
+# Spec fields for which 0 is a meaningful value (no pause, uniform popularity, no one-offs).
+ZERO_ALLOWED = ("think_time_s", "group_skew", "application_skew", "turns_exponent", "think_scale", "one_off_share")
+WorkloadSpec = workloads.SharedPrefixSpec | workloads.MultiTurnSpec | workloads.LongDocSpec | workloads.ConversationSpec
 # Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
 # to hold every shared prefix on every pod, so where a request goes decides whether it hits.
 DEFAULT_SPECS: dict[str, WorkloadSpec] = {
@@ -52,11 +67,14 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
         turns=6, system_prompt_len=256, question_len=128, answer_len=128, think_time_s=1.0
     ),
     "long-doc": workloads.LongDocSpec(documents=16, document_len=6000, question_len=64, output_len=32),
+    # Published shapes (see ConversationSpec), pauses and one-offs scaled so that at 10 req/s one
+    # pod's cache cannot hold the live conversations while the 4 pods' caches together can.
+    "conversation": workloads.ConversationSpec(),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
 GENERATED_NUM_GPU_BLOCKS = 2048
 DEFAULT_DURATION_S = 60.0
-DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0}
+DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bounds-only",
         action="store_true",
         help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
-        "hit ratio, TTFT floor) and exit without starting anything",
+        "hit ratio, the LRU fleet reference, TTFT floor) and exit without starting anything",
     )
     p.add_argument("--workload", required=True, help=f"{' | '.join(WORKLOADS)} | PATH to a Mooncake JSONL trace")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
@@ -129,8 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
         ("--documents", int),
         ("--document-len", int),
         ("--group-skew", float),
+        ("--applications", int),
+        ("--application-skew", float),
+        ("--max-turns", int),
+        ("--turns-exponent", float),
+        ("--think-scale", float),
+        ("--one-off-share", float),
+        ("--one-off-len", int),
     ):
         spec.add_argument(flag, type=kind)
+    spec.add_argument(
+        "--session-keys",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each conversation's session key as `prompt_cache_key` (default: on)",
+    )
     return p
 
 
@@ -154,6 +185,8 @@ def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: 
         return workloads.shared_prefix(spec, rate, duration_s, seed)
     if isinstance(spec, workloads.MultiTurnSpec):
         return workloads.multi_turn(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.ConversationSpec):
+        return workloads.conversation(spec, rate, duration_s, seed)
     return workloads.long_doc(spec, rate, duration_s, seed)
 
 
@@ -170,7 +203,7 @@ def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Sessio
             if getattr(args, dest) is not None
         }
         for field, value in overrides.items():
-            if value < 0 or (value == 0 and field not in ("think_time_s", "group_skew")):
+            if value < 0 or (value == 0 and field not in ZERO_ALLOWED):
                 raise ValueError(f"--{field.replace('_', '-')} must be positive")
         spec = dataclasses.replace(spec, **overrides)
         rate = args.rate or DEFAULT_RATES[args.workload]
@@ -203,6 +236,9 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     workload, sessions, settings = build_sessions(args)
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
+    if not args.session_keys:
+        sessions = workloads.without_session_keys(sessions)
+    settings["session_keys"] = args.session_keys
     fleet = FleetOptions(
         pods=args.pods,
         model=args.model,
@@ -243,6 +279,8 @@ def execute(plan: BenchPlan) -> int:
         signal.signal(signal.SIGTERM, previous)
     print()
     print(reports.terminal_table(report))
+    for line in reports.attribution_lines(report):
+        print(line)
     print(f"\nresults: {plan.out_dir / 'results.json'}  report: {plan.out_dir / 'report.md'}")
     if report.plots:
         print("plots:   " + "  ".join(str(plan.out_dir / name) for name in report.plots.values()))
@@ -262,6 +300,7 @@ def main(argv: list[str]) -> int:
         print(f"{plan.workload}: {sum(len(s.turns) for s in plan.sessions)} requests on {plan.fleet.pods} pods")
         print(
             f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
+            f"LRU fleet {bounds.lru_hit_ratio:.1%}, "
             f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
         )
         return 0

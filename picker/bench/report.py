@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from picker.bench.attribution import CATEGORIES
 from picker.bench.stats import SystemResult
 
 PLOTS = {"ttft_cdf": "ttft_cdf.png", "hit_ratio": "hit_ratio.png", "load_spread": "load_spread.png"}
@@ -23,6 +24,7 @@ class BenchReport:
     systems: dict[str, SystemResult] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)  # system -> why it could not be measured
     fleet_bound_hit_ratio: float | None = None  # the fleet's KV capacity, optimal eviction
+    lru_bound_hit_ratio: float | None = None  # the fleet's KV capacity as one LRU cache: a reference
     ttft_floor_s: dict[str, float | None] = field(default_factory=dict)  # p50/p90/p99 no router can beat
     plots: dict[str, str] = field(default_factory=dict)  # plot key -> file name, once written
 
@@ -32,6 +34,7 @@ class BenchReport:
             "workload": self.workload,
             "bound_hit_ratio": self.bound_hit_ratio,
             "fleet_bound_hit_ratio": self.fleet_bound_hit_ratio,
+            "lru_bound_hit_ratio": self.lru_bound_hit_ratio,
             "ttft_floor_s": self.ttft_floor_s,
             "settings": self.settings,
             "systems": {name: result.to_json() for name, result in self.systems.items()},
@@ -65,6 +68,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "out tok/s",
         "hit ratio",
         "bound",
+        "LRU fleet",
         "requests",
         "errors",
         "hotspot",
@@ -83,6 +87,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
                 f"{r.output_tokens_per_s:.0f}",
                 _pct(r.hit_ratio),
                 _pct(report.bound_hit_ratio),
+                _pct(report.lru_bound_hit_ratio),
                 str(r.requests),
                 str(r.errors),
                 "-" if r.hotspot is None else f"{r.hotspot:.2f}",
@@ -107,6 +112,46 @@ def terminal_table(report: BenchReport) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def attribution_lines(report: BenchReport) -> list[str]:
+    """One line per system: where its prompt tokens' cache hits went (`picker.bench.attribution`)."""
+    return [f"{name}: {r.attribution.summary()}" for name, r in report.systems.items() if r.attribution is not None]
+
+
+def attribution_markdown(report: BenchReport) -> list[str]:
+    """The `report.md` section: per system, prompt tokens and share by category."""
+    out = [
+        "## Where the prompt tokens went",
+        "",
+        (
+            "Each request's prompt tokens, split by replaying the requests in dispatch order against an LRU model "
+            "of each pod's KV cache (`picker/bench/attribution.py` says how): what the engine reported cached, "
+            "then the misses an infinite cache would have hit, by cause, then what no earlier prompt had."
+        ),
+        "",
+    ]
+    for name, r in report.systems.items():
+        a = r.attribution
+        if a is None:
+            continue
+        out += [f"### {name}", "", "| category | tokens | share |", "|---|---|---|"]
+        out += [f"| {label} | {a.tokens[key]} | {_pct(a.share(key))} |" for key, label in CATEGORIES.items()]
+        out += [
+            "",
+            (
+                f"{a.requests} requests. The cache model predicts {_pct(a.model_ratio)} "
+                f"cached, and exactly the engine's cached tokens for {_pct(a.model_exact)} of the requests."
+            ),
+        ]
+        if a.holder_busier is not None:
+            out.append(
+                f"Misses on another pod: {a.other_pod_requests} requests; the pod holding the longer prefix had more "
+                f"requests in flight than the chosen pod in {_pct(a.holder_busier)} of them (median difference "
+                f"{a.in_flight_gap_p50:+g})."
+            )
+        out.append("")
+    return out
+
+
 def markdown(report: BenchReport, plots: dict[str, str]) -> str:
     """`report.md`: settings, the table, per-pod spread, plots."""
     header, rows = table_rows(report)
@@ -117,7 +162,10 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
             f"Infinite-cache bound on the prompts sent: **{_pct(report.bound_hit_ratio)}** "
             "(no router can hit more); fleet-cache bound: "
             f"**{_pct(report.fleet_bound_hit_ratio)}** (one cache of the whole fleet's KV blocks with "
-            "optimal offline eviction: no router can hit more on this fleet)."
+            "optimal offline eviction: no router can hit more on this fleet); LRU fleet: "
+            f"**{_pct(report.lru_bound_hit_ratio)}** (the same cache evicting least recently used, as engines "
+            "do, prompts in arrival order: what perfect routing would hit if the fleet were one pool; a "
+            "reference, not a bound)."
         ),
         "",
         (
@@ -149,6 +197,8 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
             ]
             out.append(f"| {name} | " + " | ".join(cells) + " |")
         out.append("")
+    if any(r.attribution is not None for r in report.systems.values()):
+        out += attribution_markdown(report)
     errors = {name: r.error_kinds for name, r in report.systems.items() if r.error_kinds}
     if errors:
         out += ["## Errors", ""] + [f"- {name}: {kinds}" for name, kinds in errors.items()] + [""]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from picker.bench.attribution import Attribution
 from picker.bench.loadgen import RequestResult
 
 
@@ -54,6 +55,7 @@ class SystemResult:
     decision_time: DecisionTime | None = None
     error_kinds: dict[str, int] = field(default_factory=dict)
     ttfts_s: tuple[float, ...] = ()  # every successful request's TTFT, for the CDF plot
+    attribution: Attribution | None = None  # where the prompt tokens' cache hits went
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""

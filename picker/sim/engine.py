@@ -76,6 +76,12 @@ def answer_text(prompt_ids: Sequence[int], max_tokens: int) -> str:
     return " ".join(OUTPUT_WORDS[(offset + i) % len(OUTPUT_WORDS)] for i in range(max_tokens))
 
 
+def answer_ids(prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """The token ids of `answer_text`: what the engine appends to the prompt, and caches."""
+    offset = answer_offset(prompt_ids)
+    return [OUTPUT_IDS[(offset + i) % len(OUTPUT_IDS)] for i in range(max_tokens)]
+
+
 _BACK_TO_BACK = 0.002  # a step that starts this soon after the last one continues its clock
 
 

@@ -119,6 +119,21 @@ async def test_multi_turn_turns_follow_each_other(server) -> None:
             assert b.due_s >= a.due_s + a.e2e_s - 0.01  # a later turn waits for the earlier answer
 
 
+async def test_session_keys_reach_the_server_in_the_body(server) -> None:
+    rec, url = server
+    spec = w.ConversationSpec(
+        applications=2, system_prompt_len=8, user_len=4, answer_len=3, one_off_len=12, think_scale=0.005
+    )
+    sessions = w.conversation(spec, rate=40.0, duration_s=1.0, seed=4)
+    key_of = {p.messages: p.session_key for p in w.all_prompts(sessions)}
+    assert None in key_of.values() and len(set(key_of.values())) > 2  # one-offs and several conversations
+    results = await run_load(sessions, LoadOptions(url, "m"))
+    assert len(results) == len(key_of) and all(r.error is None for r in results)
+    for body in rec.bodies:
+        sent = tuple((m["role"], m["content"]) for m in body["messages"])
+        assert body.get("prompt_cache_key") == key_of[sent]
+
+
 async def test_errors_and_unfinished_requests_are_counted(server) -> None:
     rec, url = server
     failing = w.Session(

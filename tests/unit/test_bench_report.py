@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from picker.bench import cli, demo, report
+from picker.bench.attribution import Attribution
 from picker.bench.loadgen import RequestResult
 from picker.bench.stats import histogram_decision_time, percentile, summarize
 from picker.bench.systems import parse_systems
@@ -74,13 +76,34 @@ def test_decision_time_from_histogram() -> None:
 
 
 def test_results_json_report_and_plots(tmp_path: Path) -> None:
-    bench = report.BenchReport("shared-prefix", 0.8, {"pods": 2})
-    bench.systems["round-robin"] = summarize([result(0.0, 0.1, "sim-0"), result(0.1, 0.4, "sim-1")], 2)
+    bench = report.BenchReport("shared-prefix", 0.8, {"pods": 2}, fleet_bound_hit_ratio=0.75, lru_bound_hit_ratio=0.625)
+    where = Attribution(
+        requests=2,
+        prompt_tokens=200,
+        tokens={
+            "hit": 100,
+            "model_only": 0,
+            "other_pod": 60,
+            "evicted_chosen": 10,
+            "evicted_everywhere": 0,
+            "never_seen": 30,
+        },
+        model_hit_tokens=96,
+        model_exact=0.5,
+        other_pod_requests=1,
+        holder_busier=1.0,
+        in_flight_gap_p50=3,
+    )
+    bench.systems["round-robin"] = dataclasses.replace(
+        summarize([result(0.0, 0.1, "sim-0"), result(0.1, 0.4, "sim-1")], 2), attribution=where
+    )
     bench.systems["picker"] = summarize([result(0.0, 0.05, "sim-0", cached=90), result(0.1, 0.06, "sim-0")], 2)
     bench.failures["vllm-router-cache-aware"] = "exited early"
     plots = report.write(bench, tmp_path)
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["bound_hit_ratio"] == 0.8
+    assert (data["bound_hit_ratio"], data["fleet_bound_hit_ratio"], data["lru_bound_hit_ratio"]) == (0.8, 0.75, 0.625)
+    assert data["systems"]["round-robin"]["attribution"]["tokens"]["other_pod"] == 60
+    assert data["systems"]["picker"]["attribution"] is None
     keys = {
         "ttft_p50_s",
         "ttft_p90_s",
@@ -98,8 +121,14 @@ def test_results_json_report_and_plots(tmp_path: Path) -> None:
     assert set(plots) == set(report.PLOTS)
     md = (tmp_path / "report.md").read_text()
     assert "| picker |" in md and "80.0%" in md and "ttft_cdf.png" in md
+    assert "LRU fleet: **62.5%**" in md and "### round-robin" in md and "### picker" not in md
+    assert "| on another pod | 60 | 30.0% |" in md and "in 100.0% of them (median difference +3)" in md
     table = report.terminal_table(bench)
-    assert "round-robin" in table and "failed: exited early" in table
+    assert "round-robin" in table and "failed: exited early" in table and "LRU fleet" in table
+    (line,) = report.attribution_lines(bench)
+    assert line.startswith(
+        "round-robin: 50.0% hit (model 48.0%, exact on 50% of requests); missed: 30.0% on another pod"
+    )
 
 
 def test_parse_systems() -> None:
@@ -159,6 +188,7 @@ def test_bounds_only_prints_what_no_router_can_beat_and_starts_nothing(capsys, t
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "infinite-cache bound" in out and "fleet-cache bound" in out and "TTFT floor p50/p90/p99" in out
+    assert "LRU fleet" in out
     assert not list(tmp_path.iterdir())  # nothing was started or written
 
 

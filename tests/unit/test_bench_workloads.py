@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter
@@ -53,6 +54,10 @@ def test_vocabulary_words_are_one_distinct_token_each() -> None:
         (w.shared_prefix, w.SharedPrefixSpec(groups=4, prompts_per_group=3, system_prompt_len=40, question_len=8)),
         (w.multi_turn, w.MultiTurnSpec(sessions=5, turns=3, system_prompt_len=30, question_len=5, answer_len=4)),
         (w.long_doc, w.LongDocSpec(documents=3, document_len=50, question_len=6)),
+        (
+            w.conversation,
+            w.ConversationSpec(applications=3, system_prompt_len=30, user_len=5, answer_len=4, one_off_len=40),
+        ),
     ],
 )
 def test_generators_are_deterministic_by_seed(generate, spec) -> None:
@@ -93,6 +98,87 @@ def test_multi_turn_sessions_grow_their_own_history() -> None:
             assert later.messages[: len(earlier.messages)] == earlier.messages
             assert later.messages[len(earlier.messages)][0] == "assistant"
     assert len({s.turns[0].messages[0] for s in sessions}) == 1  # one shared system prompt
+    keys = [{p.session_key for p in s.turns} for s in sessions]
+    assert all(len(k) == 1 and None not in k for k in keys)  # one key per session, on every turn
+    assert len(set.union(*keys)) == 4  # and a different one for each session
+    assert sessions[0].turns[1].payload()["prompt_cache_key"] == sessions[0].turns[0].session_key
+
+
+def tokens(text: str) -> int:
+    return len(encode(text))
+
+
+def test_conversation_turns_resend_the_whole_history_under_one_key() -> None:
+    spec = w.ConversationSpec(applications=4, system_prompt_len=24, user_len=6, answer_len=8, one_off_len=50)
+    sessions = w.conversation(spec, rate=20.0, duration_s=60.0, seed=2)
+    conversations = [s for s in sessions if s.turns[0].session_key is not None]
+    one_offs = [s for s in sessions if s.turns[0].session_key is None]
+    assert conversations and one_offs and any(len(s.turns) >= 3 for s in conversations)
+    systems = {s.turns[0].messages[0] for s in sessions}
+    assert len(systems) <= 4 and all(role == "system" and tokens(text) == 24 for role, text in systems)
+    for session in conversations:
+        assert len(session.think_s) == len(session.turns) - 1 and all(t > 0 for t in session.think_s)
+        assert len({p.session_key for p in session.turns}) == 1
+        for n, prompt in enumerate(session.turns):
+            # system, then (user, assistant) for every earlier turn, then this turn's user message.
+            assert [role for role, _ in prompt.messages] == ["system"] + ["user", "assistant"] * n + ["user"]
+        for earlier, later in itertools.pairwise(session.turns):
+            assert later.messages[: len(earlier.messages)] == earlier.messages  # history only grows
+            answer = later.messages[len(earlier.messages)][1]
+            assert tokens(answer) == earlier.max_tokens  # the earlier answer, as long as was asked
+            assert len(later.token_ids()) > len(earlier.token_ids())
+    assert len({s.turns[0].session_key for s in conversations}) == len(conversations)
+    for session in one_offs:
+        (prompt,) = session.turns
+        assert [role for role, _ in prompt.messages] == ["system", "user"]
+        assert "prompt_cache_key" not in prompt.payload()
+
+
+def test_conversation_shapes_match_the_spec_over_many_draws() -> None:
+    # Pauses scaled to nearly nothing, so that the run's end cuts (almost) no conversation short.
+    spec = w.ConversationSpec(
+        applications=5, system_prompt_len=4, user_len=20, answer_len=30, one_off_len=200, think_scale=0.001
+    )
+    rate, duration = 60.0, 150.0
+    sessions = w.conversation(spec, rate, duration, seed=11)
+    conversations = [s for s in sessions if s.turns[0].session_key is not None]
+    one_offs = [s for s in sessions if s.turns[0].session_key is None]
+    requests = sum(len(s.turns) for s in sessions)
+    assert requests == pytest.approx(rate * duration, rel=0.1)  # `rate` counts requests, not arrivals
+    assert len(one_offs) / len(sessions) == pytest.approx(spec.one_off_share, abs=0.02)
+    turns = [len(s.turns) for s in conversations if s.start_s < duration - 10]
+    assert spec.mean_turns() == pytest.approx(2.51, abs=0.01)
+    assert sum(turns) / len(turns) == pytest.approx(spec.mean_turns(), rel=0.08)
+    single = spec.turn_weights()[0] / sum(spec.turn_weights())
+    assert turns.count(1) / len(turns) == pytest.approx(single, abs=0.03)
+    assert max(turns) > 15  # heavy-tailed: a few long conversations
+    users = [tokens(p.messages[-1][1]) for s in conversations for p in s.turns]  # each turn's new message
+    answers = [p.max_tokens for s in sessions for p in s.turns]
+    documents = [tokens(s.turns[0].messages[1][1]) for s in one_offs]
+    thinks = [t / spec.think_scale for s in conversations for t in s.think_s]
+    assert sum(users) / len(users) == pytest.approx(spec.user_len, rel=0.06)
+    assert sum(answers) / len(answers) == pytest.approx(spec.answer_len, rel=0.05)
+    assert sum(documents) / len(documents) == pytest.approx(spec.one_off_len, rel=0.12)
+    assert sum(thinks) / len(thinks) == pytest.approx(spec.think_time_s, rel=0.1)
+    assert sorted(thinks)[len(thinks) // 2] < spec.think_time_s * 0.7  # lognormal: the median is well below the mean
+    popularity = Counter(s.turns[0].messages[0] for s in sessions).most_common()
+    top = 1 / sum(1 / rank for rank in range(1, 6))  # Zipf 1 over 5 applications
+    assert popularity[0][1] / len(sessions) == pytest.approx(top, abs=0.03)
+    assert popularity[0][1] > 4 * popularity[-1][1]
+
+
+def test_conversation_turns_stop_where_the_run_ends() -> None:
+    spec = w.ConversationSpec(system_prompt_len=4, user_len=4, answer_len=4, one_off_share=0.0, think_scale=1.0)
+    sessions = w.conversation(spec, rate=5.0, duration_s=30.0, seed=1)
+    for session in sessions:
+        clock = itertools.accumulate(session.think_s, initial=session.start_s)
+        assert all(at < 30.0 for at in clock)  # every kept turn is due (think time alone) within the run
+    assert any(len(s.turns) == 1 and s.start_s > 20 for s in sessions)
+
+
+def test_conversation_rejects_a_share_above_one() -> None:
+    with pytest.raises(ValueError, match="one_off_share"):
+        w.ConversationSpec(one_off_share=1.5)
 
 
 def test_poisson_rate_is_about_right() -> None:
@@ -143,6 +229,49 @@ def test_trace_replay_speed_and_duration(tmp_path: Path) -> None:
     assert [s.start_s for s in fast] == expected
     assert 0 < len(fast) < len(records)
     assert fast[0].turns[0].max_tokens == max(1, records[0].output_length)
+
+
+def test_trace_sessions_follow_the_prompts_full_blocks() -> None:
+    def record(t: int, ids: list[int], length: int) -> w.TraceRecord:
+        return w.TraceRecord(t, length, 1, tuple(ids))
+
+    records = [
+        record(0, [1, 2, 3], 1536),  # z: three full blocks, a new session
+        record(1, [1, 2], 1024),  # x: does not begin with z's three blocks: a new session
+        record(2, [1, 2, 3], 1100),  # y: begins with x's blocks and z's: z's is the longer match
+        record(3, [1, 2, 4], 1500),  # w: blocks 1, 2 match; y (z's session) ended there after x did
+        record(4, [1, 2, 3, 5], 2048),  # v: z's three blocks again
+        record(5, [7, 8], 1000),  # u: a new session whose last block (8) is partial
+        record(6, [7, 9, 10], 1400),  # u's next turn: block 8, now full, has a new id; block 7 matches
+        record(7, [20], 100),  # p: no full block, so nothing can continue it
+        record(8, [20, 21], 600),  # q: a new session although it begins with p's only (partial) id
+    ]
+    keys = list(w.trace_session_keys(records))
+    z, x, p, q = keys[0], keys[1], keys[7], keys[8]
+    assert keys == [z, x, z, z, z, keys[5], keys[5], p, q]
+    assert len({z, x, keys[5], p, q}) == 5
+    sessions = w.trace_replay(list(reversed(records)), speed=1.0, duration_s=1e9, seed=0)  # sorted by time first
+    assert [s.turns[0].payload()["prompt_cache_key"] for s in sessions] == keys
+
+
+def test_trace_sessions_of_the_vendored_mooncake_trace() -> None:
+    trace = Path(__file__).resolve().parents[2] / "data" / "mooncake-synthetic-trace.jsonl"
+    records = sorted(w.read_trace(trace), key=lambda r: r.timestamp_ms)
+    sizes = Counter(w.trace_session_keys(records))
+    # The figures the docstrings of ConversationSpec and trace_session_keys quote.
+    assert sum(r.input_length for r in records) / len(records) == pytest.approx(15_325, abs=1)
+    assert (len(records), len(records) - len(sizes)) == (3993, 1455)  # requests, continuations
+    assert max(sizes.values()) >= 10  # some long sessions
+
+
+def test_session_keys_can_be_dropped() -> None:
+    spec = w.MultiTurnSpec(sessions=3, turns=2, system_prompt_len=8, question_len=3, answer_len=3)
+    sessions = w.multi_turn(spec, rate=10.0, duration_s=60.0, seed=0)
+    bare = w.without_session_keys(sessions)
+    assert [s.start_s for s in bare] == [s.start_s for s in sessions]
+    for with_key, without in zip(w.all_prompts(sessions), w.all_prompts(bare)):
+        assert without.session_key is None and "prompt_cache_key" not in without.payload()
+        assert without.payload() == {k: v for k, v in with_key.payload().items() if k != "prompt_cache_key"}
 
 
 def test_trace_blocks_depend_only_on_id_and_seed() -> None:
