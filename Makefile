@@ -39,12 +39,13 @@ check: install
 demo: $(DEMO_STAMP)
 	$(BIN)/picker demo
 
-# The full comparison BENCHMARKS.md reports (about 45 minutes on 2 cores).
+# The full comparison BENCHMARKS.md reports (about an hour on 2 cores).
 SYSTEMS := round-robin,least-request,picker,picker:best,sglang-cache-aware,sglang-round-robin,vllm-router-cache-aware
 BENCH_CONFIGS := --picker-config best=manifests/configs/picker-best.yaml
 bench: install
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload shared-prefix --duration 60 --out bench-out/shared-prefix
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload multi-turn --duration 60 --out bench-out/multi-turn
+	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload conversation --duration 60 --out bench-out/conversation
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload data/mooncake-synthetic-trace.jsonl \
 	  --pods 8 --num-gpu-blocks 26700 --time-scale 4 --speed 4 --out bench-out/mooncake
 

@@ -64,7 +64,9 @@ def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publish
     assert config.subscriber.port is None  # only endpoints whose entry names a kvEventsAddress
 
 
-@pytest.mark.parametrize("name", ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml"])
+@pytest.mark.parametrize(
+    "name", ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml", "picker-conversation.yaml"]
+)
 def test_config_show_prints_every_effective_parameter_and_loads_back_the_same(name: str) -> None:
     loaded = build(parse_file(CONFIGS / name))
     shown = to_yaml(loaded.config)  # what `picker config show` prints
