@@ -47,6 +47,18 @@ class Datastore:
         """Call `listener(old, new)` whenever the endpoint set changes."""
         self._listeners.append(listener)
 
+    def on_departure(self, forget: Callable[[set[str]], None]) -> EndpointListener:
+        """Call `forget(addresses)` whenever endpoints leave the pool; returns the listener, for
+        `remove_listener` when whatever forgets is released."""
+
+        def departed(old: dict[str, Endpoint], new: dict[str, Endpoint]) -> None:
+            gone = old.keys() - new.keys()
+            if gone:
+                forget(gone)
+
+        self.add_listener(departed)
+        return departed
+
     def remove_listener(self, listener: EndpointListener) -> None:
         """Stop calling `listener` (added with `add_listener`); unknown listeners are ignored."""
         if listener in self._listeners:

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from picker.datastore.endpoint import Endpoint, EndpointState
+from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState, StateKey
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
@@ -70,9 +70,6 @@ from picker.telemetry.metrics import (
     PREFIX_SAVED_GPU_SECONDS,
     PREFIX_SAVED_PREFILL_TOKENS,
 )
-
-if TYPE_CHECKING:
-    from picker.datastore.store import Datastore, EndpointListener
 
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
@@ -274,7 +271,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         if datastore is not None:
             handle.persistent(
                 f"{index_key}/listener",
-                lambda: _forget_departed(datastore, index, ttft),
+                lambda: datastore.on_departure(partial(_forget, index, ttft)),
                 datastore.remove_listener,
             )
         cache = handle.persistent(
@@ -427,19 +424,11 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         return capacity - index.reused_blocks(state.address)
 
 
-def _forget_departed(datastore: Datastore, index: PrefixIndex, ttft: TtftModel) -> EndpointListener:
-    """Make `index` and `ttft` forget endpoints as they leave the pool; the listener is returned
-    so that releasing the index removes it."""
-
-    def forget(old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
-        departed = old.keys() - new.keys()
-        if departed:
-            index.remove(departed)
-            ttft.forget(departed)
-            PREFIX_INDEXER_SIZE.set(len(index))
-
-    datastore.add_listener(forget)
-    return forget
+def _forget(index: PrefixIndex, ttft: TtftModel, departed: set[str]) -> None:
+    """`index` and `ttft` forget endpoints that left the pool."""
+    index.remove(departed)
+    ttft.forget(departed)
+    PREFIX_INDEXER_SIZE.set(len(index))
 
 
 class PrefixCacheScorer(ParameterlessScorer):

@@ -23,18 +23,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from picker.datastore.endpoint import Endpoint, EndpointState
+from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
 from picker.framework.plugin import PreRequest, SchedulingResult, Scorer, ScorerCategory
 from picker.framework.request import InferenceRequest
 from picker.prefix.hotspot import over_bound
-
-if TYPE_CHECKING:
-    from picker.datastore.store import Datastore, EndpointListener
 
 SessionKey = tuple[str | None, str, str]  # tenant, model, session
 
@@ -107,7 +104,7 @@ class SessionAffinityScorer(Scorer, PreRequest):
         if datastore is not None:
             handle.persistent(
                 f"prefix/sessions:{capacity}:{idle}/listener",
-                lambda: _forget_departed(datastore, table),
+                lambda: datastore.on_departure(table.forget),
                 datastore.remove_listener,
             )
         scorer = cls(name, table, fields, header.lower() or None, factor)
@@ -142,16 +139,3 @@ class SessionAffinityScorer(Scorer, PreRequest):
         key = self.session(request)
         if key is not None and result.targets:
             self.table.record(key, result.targets[0].address)
-
-
-def _forget_departed(datastore: Datastore, table: SessionTable) -> EndpointListener:
-    """Make `table` forget endpoints as they leave the pool; the listener is returned so that
-    releasing the table removes it."""
-
-    def forget(old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
-        departed = set(old.keys() - new.keys())
-        if departed:
-            table.forget(departed)
-
-    datastore.add_listener(forget)
-    return forget
