@@ -10,7 +10,9 @@ has no tokenizer configured.
 It is a soft affinity, never a pin: its weight bounds how far it can outweigh the load scorers,
 and an endpoint whose load would pass `maxLoadFactor` × (mean load + 1) loses it altogether
 (`picker.prefix.hotspot`), so a busy holder sheds the conversation to the next best endpoint,
-where the next turns then follow it.
+where the next turns then follow it. Where the prefix producer's index says the session's
+endpoint holds none of the prompt any more (it evicted the history), there is nothing to go back
+for, and the affinity yields too.
 
 Parameters: `fields` (["prompt_cache_key", "user"]: body fields naming the session, first
 present wins), `header` (none: a request header naming it, checked before the fields),
@@ -32,6 +34,7 @@ from picker.framework.parameters import Parameters, PluginConfigError
 from picker.framework.plugin import PreRequest, SchedulingResult, Scorer, ScorerCategory
 from picker.framework.request import InferenceRequest
 from picker.prefix.hotspot import over_bound
+from picker.prefix.plugins import PREFIX_MATCH_KEY
 
 SessionKey = tuple[str | None, str, str]  # tenant, model, session
 
@@ -130,7 +133,8 @@ class SessionAffinityScorer(Scorer, PreRequest):
     ) -> Sequence[float]:
         key = self.session(request)
         address = None if key is None else self.table.endpoint(key)
-        if address is None:
+        match = cycle_state.read(PREFIX_MATCH_KEY)
+        if address is None or (match is not None and match.total_blocks and not match.matched.get(address)):
             return [0.0] * len(candidates)
         bounded = over_bound(candidates, self.max_load_factor)
         return [1.0 if c.address == address and not past else 0.0 for c, past in zip(candidates, bounded)]

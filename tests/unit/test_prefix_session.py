@@ -15,6 +15,8 @@ from picker.framework.parameters import PluginConfigError
 from picker.framework.plugin import ProfileRunResult, SchedulingResult
 from picker.framework.request import Api, InferenceRequest
 from picker.plugins import REGISTRY
+from picker.prefix.plugins import PREFIX_MATCH_KEY, PrefixMatch
+from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 from picker.prefix.session import SessionAffinityScorer, SessionTable
 from picker.requestcontrol.director import schedule
 from tests.unit.test_scheduling_plugins import state
@@ -141,3 +143,16 @@ async def test_from_a_config_sessions_survive_a_reload_and_departed_endpoints_ar
         assert isinstance(plugin, SessionAffinityScorer) and len(plugin.table) == 0
     finally:
         await holder.stop()
+
+
+def test_the_affinity_yields_where_the_index_says_the_history_was_evicted() -> None:
+    plugin = scorer()
+    pods = [state(1), state(2)]
+    request = turn({"prompt_cache_key": "conv"})
+    routed(plugin, request, pods[0])
+    blocks = PromptBlocks(TOKENS, (1, 2, 3), 16, 48, 0)
+    evicted, held = CycleState(), CycleState()
+    evicted[PREFIX_MATCH_KEY] = PrefixMatch(blocks, {pods[1].address: 3})
+    held[PREFIX_MATCH_KEY] = PrefixMatch(blocks, {pods[0].address: 2})
+    assert plugin.score(request, evicted, pods) == [0.0, 0.0]
+    assert plugin.score(request, held, pods) == [1.0, 0.0]
