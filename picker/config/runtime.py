@@ -44,9 +44,9 @@ from picker.framework.plugin import (
     Scorer,
 )
 from picker.framework.request import InferenceRequest
-from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
+from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
-from picker.telemetry.metrics import CONFIG_LAST_RELOAD, CONFIG_RELOADS, PLUGIN_DURATION
+from picker.telemetry.metrics import CONFIG_LAST_RELOAD, CONFIG_RELOADS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Step:
 
 
 def _steps(plugins: Sequence[Plugin], extension_point: str) -> tuple[Step, ...]:
-    return tuple(Step(p, PLUGIN_DURATION.labels(extension_point, p.plugin_type, p.name)) for p in plugins)
+    return tuple(Step(p, plugin_timer(extension_point, p)) for p in plugins)
 
 
 class Runtime:

@@ -26,7 +26,6 @@ parameters keeps the warm index; changed parameters replace them (the old subscr
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,8 +48,6 @@ from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
 from picker.prefix.prompt_blocks import TOKENS
-
-log = logging.getLogger(__name__)
 
 _RUNTIME_KEY = "kvevents/precise-index"
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
