@@ -9,34 +9,49 @@ import importlib.metadata
 import logging
 import os
 import signal
-import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from picker.config.objectives import parse_objectives
 from picker.config.runtime import Runtime, RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datalayer.layer import DataLayer
-from picker.datalayer.plugins import scrape_settings
+from picker.datalayer.plugins import ScrapeSettings, scrape_settings
 from picker.datastore.store import Datastore
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
 from picker.framework.durations import parse_duration as parse_go_duration
 from picker.requestcontrol.director import Director
+from picker.telemetry import logging as logs
 from picker.telemetry import metrics
 from picker.telemetry.decisions import DecisionLog
-from picker.telemetry.health import HealthServicer
+from picker.telemetry.health import EXT_PROC_SERVICE, HealthServicer
 from picker.telemetry.http import metrics_app, start_metrics_server
+from picker.telemetry.logging import DEFAULT_VERBOSITY, LogSettings
 
 if TYPE_CHECKING:
     from picker.discovery.kubernetes import KubernetesDiscovery
 
 log = logging.getLogger("picker")
+
+
+class FlagError(ValueError):
+    """A flag the picker cannot honour as given; the message starts with the flag's name."""
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """Raises FlagError instead of printing usage and exiting, so a bad flag is logged (as
+    JSON with `--zap-encoder=json`) and the start fails with exit code 2, as the reference's."""
+
+    def error(self, message: str) -> NoReturn:
+        raise FlagError(message)
 
 
 def parse_duration(text: str) -> float:
@@ -56,89 +71,372 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r}")
 
 
-def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool, help_: str) -> None:
-    # Go-style: `--flag`, `--flag=true`, `--flag=false` (the reference chart's syntax).
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser raising ValueError, its message kept."""
+
+    def check(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return check
+
+
+def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool | None, help_: str) -> None:
+    # Go-style: `--flag`, `--flag=true`, `--flag=false` (the reference chart's syntax). A None
+    # default tells "not given" from the reference default (see REFERENCE_DEFAULTS).
     parser.add_argument(name, type=parse_bool, nargs="?", const=True, default=default, help=help_)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="picker serve", description="Run the ext_proc endpoint picker.")
-    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
-    p.add_argument("--grpc-health-port", type=int, default=9003, help="gRPC health port (default 9003)")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
-    p.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to")
+# The reference's flags for features the picker is still adding (issue 15). The default is
+# accepted; asking for one explicitly refuses the start until its implementation plugs into
+# `PickerServer.features` and removes its entry here.
+NOT_IMPLEMENTED = {
+    "ha_enable_leader_election": "leader election (a coordination.k8s.io Lease) is not implemented yet",
+    "metrics_endpoint_auth": "authentication and authorization of /metrics are not implemented yet",
+    "tracing": "OpenTelemetry tracing is not implemented yet",
+    "enable_pprof": "the profiling endpoint is not implemented yet",
+}
+# Their reference defaults, used when the flag is not given.
+REFERENCE_DEFAULTS = {
+    "ha_enable_leader_election": False,
+    "metrics_endpoint_auth": True,
+    "tracing": True,
+    "enable_pprof": True,
+}
+# The reference refuses these (deprecated) when set: metrics come from engineConfigs.
+REFUSED_METRIC_FLAGS = {
+    "total_queued_requests_metric": ("--total-queued-requests-metric", "vllm:num_requests_waiting"),
+    "total_running_requests_metric": ("--total-running-requests-metric", "vllm:num_requests_running"),
+    "kv_cache_usage_percentage_metric": ("--kv-cache-usage-percentage-metric", "vllm:kv_cache_usage_perc"),
+    "lora_info_metric": ("--lora-info-metric", "vllm:lora_requests_info"),
+    "cache_info_metric": ("--cache-info-metric", "vllm:cache_config_info"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceFeatures:
+    """The values of the reference flags whose features issue 15 adds; their implementations
+    read them here (`PickerServer.features`)."""
+
+    leader_election: bool  # --ha-enable-leader-election: readiness only on the Lease holder
+    metrics_endpoint_auth: bool  # --metrics-endpoint-auth: TokenReview + SubjectAccessReview on /metrics
+    tracing: bool  # --tracing: OpenTelemetry spans, configured by OTEL_* variables
+    pprof: bool  # --enable-pprof: a profiling endpoint on the metrics port
+
+
+def _flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def reference_features(args: argparse.Namespace) -> tuple[ReferenceFeatures, list[str]]:
+    """The features' values, and the names of those left at a reference default of true that
+    the picker does not honour yet (logged at start). Raises FlagError for an explicit request
+    of a feature not implemented yet."""
+    values: dict[str, bool] = {}
+    pending: list[str] = []
+    for dest, default in REFERENCE_DEFAULTS.items():
+        given = getattr(args, dest)
+        if given and dest in NOT_IMPLEMENTED:
+            raise FlagError(f"{_flag_name(dest)}: {NOT_IMPLEMENTED[dest]} (issue 15); set it to false or leave it out")
+        values[dest] = default if given is None else given
+        if given is None and default and dest in NOT_IMPLEMENTED:
+            pending.append(_flag_name(dest))
+    features = ReferenceFeatures(
+        leader_election=values["ha_enable_leader_election"],
+        metrics_endpoint_auth=values["metrics_endpoint_auth"],
+        tracing=values["tracing"],
+        pprof=values["enable_pprof"],
+    )
+    return features, pending
+
+
+def model_server_scrape(args: argparse.Namespace) -> ScrapeSettings:
+    """The `--model-server-metrics-*` flags: where to scrape unless the config's
+    `metrics-data-source` parameters say otherwise (the reference's precedence)."""
+    path = args.model_server_metrics_path
+    if not path.startswith("/"):
+        raise FlagError(f"--model-server-metrics-path: must start with '/', got {path!r}")
+    port = args.model_server_metrics_port
+    if not 0 <= port <= 65535:
+        raise FlagError(f"--model-server-metrics-port: must be a port number (0: the endpoint's own), got {port}")
+    return ScrapeSettings(
+        path=path,
+        scheme=args.model_server_metrics_scheme,
+        insecure_skip_verify=args.model_server_metrics_https_insecure_skip_verify,
+        port=port,
+    )
+
+
+def check_refused(args: argparse.Namespace) -> None:
+    """Refuse what the reference refuses: its deprecated metric-name flags when set."""
+    for dest, (flag, _) in REFUSED_METRIC_FLAGS.items():
+        if getattr(args, dest) is not None:
+            raise FlagError(
+                f"{flag}: deprecated and cannot be used; configure metrics via engineConfigs "
+                "(core-metrics-extractor) in the EndpointPickerConfig instead"
+            )
+
+
+def log_settings(args: argparse.Namespace) -> LogSettings:
+    """`-v` and the zap flags."""
+    return LogSettings(
+        verbosity=args.v,
+        development=args.zap_devel,
+        encoder=args.zap_encoder,
+        level=args.zap_log_level,
+        stacktrace_level=args.zap_stacktrace_level,
+        time_encoding=args.zap_time_encoding,
+    )
+
+
+def _add_logging_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
+        "-v",
+        "--v",
+        type=int,
+        default=DEFAULT_VERBOSITY,
+        help="Number for the log level verbosity: 2 default, "
+        "3 verbose, 4 debug (one line per routed request: x-request-id, model, objective, endpoint, scores, "
+        "decision time), 5 trace; negative means 2. (default 2)",
+    )
+    _bool_flag(
+        p,
+        "--zap-devel",
+        True,
+        "Development Mode defaults(encoder=consoleEncoder,stackTraceLevel=Warn). "
+        "Production Mode defaults(encoder=jsonEncoder,stackTraceLevel=Error); the level follows -v. (default true)",
+    )
+    p.add_argument(
+        "--zap-encoder",
+        type=_checked(logs.encoder),
+        help="Zap log encoding (one of 'json' or 'console'): json "
+        "writes one JSON object per line with zap's keys (level, ts, logger, caller, msg, error, stacktrace)",
+    )
+    p.add_argument(
+        "--zap-log-level",
+        type=_checked(logs.zap_level),
+        help="Zap Level to configure the verbosity of logging, "
+        "overriding -v. Can be one of 'debug' (V1), 'info' (V0), 'error', 'panic' or any integer value > 0 which "
+        "corresponds to custom debug levels of increasing verbosity (a -v level)",
+    )
+    p.add_argument(
+        "--zap-stacktrace-level",
+        type=_checked(logs.stacktrace_level),
+        help="Zap Level at and above which stacktraces are captured (one of 'info', 'error', 'panic').",
+    )
+    p.add_argument(
+        "--zap-time-encoding",
+        type=_checked(logs.time_encoding),
+        help="Zap time encoding (one of 'epoch', 'millis', 'nano', 'iso8601', 'rfc3339' or 'rfc3339nano'). "
+        "Defaults to 'epoch' (the console encoder: 'iso8601').",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the reference EPP v1.5.0 (its meaning, or refused at start naming the
+    flag), then the picker's own."""
+    p = _FlagParser(prog="picker serve", description="Run the ext_proc endpoint picker.")
+    srv = p.add_argument_group("serving")
+    srv.add_argument(
+        "--grpc-port", type=int, default=9002, help="gRPC port used for communicating with Envoy proxy. (default 9002)"
+    )
+    srv.add_argument(
+        "--grpc-health-port",
+        type=int,
+        default=9003,
+        help="The port used for gRPC liveness and readiness probes. (default 9003)",
+    )
+    srv.add_argument("--metrics-port", type=int, default=9090, help="The metrics port exposed by EPP. (default 9090)")
+    srv.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to (default 0.0.0.0)")
+    _bool_flag(
+        srv,
+        "--health-checking",
+        False,
+        "Enables health checking: the gRPC health service on the ext_proc port too "
+        '(the ext_proc service and "" SERVING, NOT_SERVING once draining).',
+    )
+    srv.add_argument(
         "--shutdown-delay",
         type=parse_duration,
         default=0.0,
         help="after SIGTERM, report NOT_SERVING but keep serving this long, so proxies and "
         "Kubernetes stop sending new requests first (e.g. 5s)",
     )
-    p.add_argument(
+    srv.add_argument(
         "--shutdown-grace",
         type=parse_duration,
         default=2.0,
         help="then let requests in flight finish for up to this long (e.g. 120s for long streams)",
     )
+    _bool_flag(
+        srv,
+        "--ha-enable-leader-election",
+        None,
+        "Enables leader election for high availability. When enabled, "
+        "readiness probes will only pass on the leader. Not implemented yet (issue 15): =true refuses to start.",
+    )
     src = p.add_argument_group("endpoints")
-    src.add_argument("--endpoints", help="static endpoints: ip:port,ip:port,...")
-    src.add_argument("--endpoints-file", help="YAML list of endpoints, re-read when it changes")
-    src.add_argument("--pool-name", help="InferencePool to watch")
-    src.add_argument("--pool-namespace", default=None, help="its namespace (default: $NAMESPACE, else default)")
-    src.add_argument("--pool-group", default="inference.networking.k8s.io", help="InferencePool API group")
-    src.add_argument("--endpoint-selector", help="standalone mode: pod label selector k=v,k2=v2")
-    src.add_argument("--endpoint-target-ports", help="standalone mode: target ports, CSV")
+    src.add_argument("--pool-name", help="Name of the InferencePool this Endpoint Picker is associated with.")
+    src.add_argument(
+        "--pool-namespace",
+        default="",
+        help="Namespace of the InferencePool this Endpoint Picker is associated "
+        "with (empty: $NAMESPACE, else default).",
+    )
+    src.add_argument(
+        "--pool-group",
+        default="inference.networking.k8s.io",
+        help="Kubernetes resource group of the "
+        "InferencePool: inference.networking.k8s.io (v1) or inference.networking.x-k8s.io (v1alpha2). "
+        "(default inference.networking.k8s.io)",
+    )
+    src.add_argument(
+        "--endpoint-selector",
+        help="Selector to filter model server pods on, only 'key=value' pairs are supported. "
+        "Format: a comma-separated list of key=value pairs without whitespace (e.g., 'app=vllm-qwen3-32b,env=prod').",
+    )
+    src.add_argument(
+        "--endpoint-target-ports",
+        help="Target ports of model server pods. Format: a comma-separated list of "
+        "numbers without whitespace (e.g., '3000,3001,3002').",
+    )
+    src.add_argument("--endpoints", help="static endpoints instead of Kubernetes: ip:port,ip:port,...")
+    src.add_argument("--endpoints-file", help="YAML list of endpoints instead of Kubernetes, re-read when it changes")
     src.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     src.add_argument("--config-map", help="ConfigMap holding the EndpointPickerConfig, watched for changes")
     cfg = p.add_argument_group("scheduling")
-    cfg.add_argument("--config-file", help="EndpointPickerConfig file (hot-reloaded)")
-    cfg.add_argument("--config-text", help="EndpointPickerConfig as inline YAML")
+    cfg.add_argument("--config-file", help="The path to the configuration file (hot-reloaded).")
+    cfg.add_argument("--config-text", help="The configuration specified as text, in lieu of a file.")
     cfg.add_argument("--objectives-file", help="InferenceObjectives (priorities) when not read from Kubernetes")
-    cfg.add_argument("--refresh-metrics-interval", type=parse_duration, default=0.05)
-    cfg.add_argument("--refresh-prometheus-metrics-interval", type=parse_duration, default=5.0)
-    cfg.add_argument("--metrics-staleness-threshold", type=parse_duration, default=2.0)
     cfg.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body cap (413 above)")
     cfg.add_argument("--tenant-header", help="request header naming the tenant that scopes prefix state")
-    _bool_flag(cfg, "--disable-endpoint-subset-filter", False, "ignore the proxy's subset hint")
-    sec = p.add_argument_group("security")
-    _bool_flag(sec, "--secure-serving", True, "TLS on the ext_proc port (default true)")
-    sec.add_argument("--cert-path", help="directory with tls.crt and tls.key (reloaded when they change)")
-    _bool_flag(sec, "--enable-cert-reload", False, "accepted for compatibility; --cert-path always reloads")
-    obs = p.add_argument_group("observability")
-    _bool_flag(obs, "--enable-debug-decisions", False, "serve GET /debug/decisions on the metrics port")
-    obs.add_argument("--v", type=int, default=2, help="log verbosity: 2 default, 3 verbose, 4 debug")
-    # Accepted so the reference chart's arguments work unchanged; the picker has no use for them.
-    compat = p.add_argument_group("reference compatibility (accepted, no effect)")
-    compat.add_argument("--zap-encoder", help=argparse.SUPPRESS)
-    compat.add_argument("--zap-log-level", help=argparse.SUPPRESS)
-    for name in (
-        "--tracing",
-        "--ha-enable-leader-election",
-        "--metrics-endpoint-auth",
-        "--enable-pprof",
-        "--health-checking",
+    _bool_flag(
+        cfg,
+        "--disable-endpoint-subset-filter",
+        False,
+        "Disables respecting the x-gateway-destination-endpoint-subset metadata for dispatching requests in EPP.",
+    )
+    msp = p.add_argument_group("model server metrics")
+    msp.add_argument(
+        "--refresh-metrics-interval",
+        type=parse_duration,
+        default=0.05,
+        help="Interval to refresh metrics. (default 50ms)",
+    )
+    msp.add_argument(
+        "--refresh-prometheus-metrics-interval",
+        type=parse_duration,
+        default=5.0,
+        help="Interval to flush Prometheus metrics. (default 5s)",
+    )
+    msp.add_argument(
+        "--metrics-staleness-threshold",
+        type=parse_duration,
+        default=2.0,
+        help="Duration after which metrics are considered stale. This is used to determine if an endpoint's "
+        "metrics are fresh enough. (default 2s)",
+    )
+    msp.add_argument(
+        "--model-server-metrics-scheme",
+        choices=("http", "https"),
+        default="http",
+        help="Protocol scheme used in scraping metrics from endpoints; the metrics-data-source plugin's "
+        "`scheme` parameter overrides it. Deprecated in the reference. (default http)",
+    )
+    msp.add_argument(
+        "--model-server-metrics-path",
+        default="/metrics",
+        help="URL path used in scraping metrics from endpoints (trtllm-serve: /prometheus/metrics); the "
+        "metrics-data-source plugin's `path` parameter overrides it. Deprecated in the reference. (default /metrics)",
+    )
+    msp.add_argument(
+        "--model-server-metrics-port",
+        type=int,
+        default=0,
+        help="Port to scrape metrics from endpoints, for pods with one target port (an endpoint that shares its "
+        "IP with others keeps its own port); 0: the endpoint's port. Deprecated in the reference. (default 0)",
+    )
+    _bool_flag(
+        msp,
         "--model-server-metrics-https-insecure-skip-verify",
-    ):
-        _bool_flag(compat, name, False, argparse.SUPPRESS)
-    for name in ("--model-server-metrics-scheme", "--model-server-metrics-path", "--model-server-metrics-port"):
-        compat.add_argument(name, help=argparse.SUPPRESS)
+        True,
+        "Disable certificate verification when using 'https' scheme for 'model-server-metrics-scheme'; the "
+        "metrics-data-source plugin's `insecureSkipVerify` parameter overrides it. (default true)",
+    )
+    for dest, (flag, reference_default) in REFUSED_METRIC_FLAGS.items():
+        msp.add_argument(
+            flag,
+            dest=dest,
+            metavar="METRIC",
+            help=f"Refused, as by the reference (deprecated; its default was "
+            f"{reference_default}): configure metrics via engineConfigs in the EndpointPickerConfig.",
+        )
+    sec = p.add_argument_group("security")
+    _bool_flag(sec, "--secure-serving", True, "Enables secure serving (TLS on the ext_proc port). (default true)")
+    sec.add_argument(
+        "--cert-path",
+        help="The path to the certificate for secure serving. The certificate and private key files "
+        "are assumed to be named tls.crt and tls.key, respectively. If not set, and secureServing is enabled, then "
+        "a self-signed certificate is used.",
+    )
+    _bool_flag(
+        sec,
+        "--enable-cert-reload",
+        False,
+        "Enables certificate reloading of the certificates specified in "
+        "--cert-path. The picker always reloads them when they change, so false changes nothing.",
+    )
+    _bool_flag(
+        sec,
+        "--metrics-endpoint-auth",
+        None,
+        "Enables authentication and authorization of the metrics endpoint. "
+        "The reference default is true; the picker does not implement it yet (issue 15's auth work): left out, "
+        "/metrics is served without authentication; =true refuses to start.",
+    )
+    obs = p.add_argument_group("logging and diagnostics")
+    _add_logging_flags(obs)
+    _bool_flag(
+        obs,
+        "--tracing",
+        None,
+        "Enables emitting traces (reference default true). Not implemented yet (issue 15): "
+        "left out, no spans are emitted; =true refuses to start.",
+    )
+    _bool_flag(
+        obs,
+        "--enable-pprof",
+        None,
+        "Enables profiling handlers (reference default true). Not implemented yet "
+        "(issue 15): left out, there is no profiling endpoint; =true refuses to start.",
+    )
+    _bool_flag(obs, "--enable-debug-decisions", False, "serve GET /debug/decisions on the metrics port")
     return p
 
 
-def _configure_logging(verbosity: int, encoder: str | None) -> None:
-    level = logging.DEBUG if verbosity >= 4 else logging.INFO if verbosity >= 2 else logging.WARNING
-    if encoder == "json":
-        fmt = '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-    else:
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+def _encoder_hint(argv: list[str]) -> LogSettings:
+    """Logging settings good enough to report flags that do not parse: only the encoder."""
+    quick = _FlagParser(add_help=False)
+    quick.add_argument("--zap-encoder", type=_checked(logs.encoder))
+    _bool_flag(quick, "--zap-devel", True, "")
+    try:
+        known, _ = quick.parse_known_args(argv)
+    except FlagError:
+        return LogSettings()
+    return LogSettings(development=known.zap_devel, encoder=known.zap_encoder)
 
 
 class PickerServer:
     """Everything `picker serve` runs, started and stopped together."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        """Raises FlagError for a flag the picker cannot honour as given."""
         self.args = args
+        check_refused(args)
+        self.features, self.pending_features = reference_features(args)
+        self.scrape_defaults = model_server_scrape(args)
         self.datastore = Datastore()
         self.decisions = DecisionLog(1000) if args.enable_debug_decisions else None
         self.data_layer = DataLayer(
@@ -160,6 +458,7 @@ class PickerServer:
         self.discovery: KubernetesDiscovery | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
+        self.ext_proc_health: health.aio.HealthServicer | None = None  # --health-checking
         self.metrics_runner: web.AppRunner | None = None
 
     async def _start_discovery(self) -> None:
@@ -225,7 +524,7 @@ class PickerServer:
     async def _config_installed(self, runtime: Runtime) -> None:
         """The data layer follows the installed config; stale metrics only exclude endpoints
         while something scrapes them."""
-        await self.data_layer.apply(scrape_settings(runtime.data_sources))
+        await self.data_layer.apply(scrape_settings(runtime.data_sources, self.scrape_defaults))
         scraping = self.data_layer.collector is not None
         self.director.staleness_threshold = self.args.metrics_staleness_threshold if scraping else None
 
@@ -244,14 +543,20 @@ class PickerServer:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
         self.grpc_server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director, settings), self.grpc_server)
+        if args.health_checking:  # as the reference: the standard health service beside ext_proc
+            self.ext_proc_health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.ext_proc_health, self.grpc_server)
+            for service in ("", EXT_PROC_SERVICE):
+                await self.ext_proc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         address = f"{bind}:{args.grpc_port}"
         if args.secure_serving:
             self.grpc_server.add_secure_port(address, server_credentials(args.cert_path))
         else:
             self.grpc_server.add_insecure_port(address)
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # is_leader: None until leader election (self.features.leader_election) is implemented.
         health_pb2_grpc.add_HealthServicer_to_server(
-            HealthServicer(lambda: self.datastore.synced and not self.draining), self.health_server
+            HealthServicer(lambda: self.datastore.synced, lambda: self.draining), self.health_server
         )
         self.health_server.add_insecure_port(f"{bind}:{args.grpc_health_port}")
         decisions = self.decisions.entries if self.decisions is not None else None
@@ -267,10 +572,17 @@ class PickerServer:
             args.metrics_port,
             len(self.datastore.endpoints()),
         )
+        if self.pending_features:
+            log.info(
+                "reference defaults the picker does not honour yet (issue 15): %s; set them to false to silence this",
+                ", ".join(f"{flag}=true" for flag in self.pending_features),
+            )
 
     async def drain(self) -> None:
         """Report NOT_SERVING, keep serving for `--shutdown-delay`, then stop (see `stop`)."""
         self.draining = True
+        if self.ext_proc_health is not None:
+            await self.ext_proc_health.enter_graceful_shutdown()
         if self.args.shutdown_delay > 0:
             log.info("draining for %.1fs before stopping", self.args.shutdown_delay)
             await asyncio.sleep(self.args.shutdown_delay)
@@ -294,16 +606,19 @@ class PickerServer:
 
 
 async def run(args: argparse.Namespace) -> int:
-    server = PickerServer(args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    server: PickerServer | None = None
     try:
+        server = PickerServer(args)
         await server.start()
-    except (EndpointListError, ConfigError, OSError, ValueError) as e:
+    # RuntimeError: gRPC could not bind a port.
+    except (EndpointListError, ConfigError, OSError, ValueError, RuntimeError) as e:
         log.error("cannot start: %s", e)
-        await server.stop()
+        if server is not None:
+            await server.stop()
         return 1
     await stop.wait()
     log.info("shutting down")
@@ -328,11 +643,17 @@ def _return_large_buffers_to_the_os() -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    _configure_logging(args.v, args.zap_encoder)
+    try:
+        args = build_parser().parse_args(argv)
+    except FlagError as error:
+        logs.configure(_encoder_hint(argv))
+        log.error("invalid flags: %s", error)
+        return 2
+    logs.configure(log_settings(args))
+    log.info("flags processed", extra={"flags": {_flag_name(k)[2:]: v for k, v in vars(args).items()}})
     _return_large_buffers_to_the_os()
-    if args.pool_namespace is None:
-        args.pool_namespace = os.environ.get("NAMESPACE", "default")
+    if not args.pool_namespace:  # as the reference: empty means $NAMESPACE, else default
+        args.pool_namespace = os.environ.get("NAMESPACE") or "default"
     import uvloop
 
     return uvloop.run(run(args))

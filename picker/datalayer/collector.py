@@ -18,14 +18,15 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from prometheus_client import Histogram
 
 from picker.datalayer.engines import DEFAULT_ENGINE, EngineCatalog
 from picker.datalayer.parse import parse_page
-from picker.datastore.endpoint import Endpoint
+from picker.datastore.endpoint import Endpoint, join_host_port
 from picker.datastore.store import Datastore
 from picker.telemetry.metrics import (
     METRICS_AGE,
@@ -62,6 +63,7 @@ class MetricsCollector:
     - `engines`: the engine catalog (`EngineCatalog.from_parameters` for configured ones);
       when None, the built-in specs with `default_engine` for unlabelled endpoints.
     - `path`, `scheme`, `insecure_skip_verify`: the `metrics-data-source` parameters.
+    - `metrics_port`: `--model-server-metrics-port`; 0 scrapes each endpoint's own port.
     - `staleness_threshold`: how old metrics may be and still count as ready in the pool
       gauges; plugins compare it with `EndpointState.metrics_age(now)`.
     - `pool_name`, `pool_gauges_interval`: label and period of the inference_pool_* gauges.
@@ -84,6 +86,7 @@ class MetricsCollector:
         pool_name: str = "",
         pool_gauges_interval: float = 5.0,
         max_page_bytes: int = MAX_PAGE_BYTES,
+        metrics_port: int = 0,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"refresh interval must be positive, got {interval}")
@@ -108,6 +111,8 @@ class MetricsCollector:
         self.pool_name = pool_name
         self.pool_gauges_interval = pool_gauges_interval
         self.max_page_bytes = max_page_bytes
+        self.metrics_port = metrics_port
+        self._urls: dict[str, str] = {}  # address → the metrics URL its task scrapes
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -132,7 +137,7 @@ class MetricsCollector:
             headers={"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"},
         )
         self._datastore.add_listener(self._on_endpoints_changed)
-        self._sync_tasks(self._datastore.endpoints().keys())
+        self._sync_tasks(self._datastore.endpoints())
         self._pool_task = asyncio.create_task(self._refresh_pool_gauges_forever(), name="pool-gauges")
 
     async def stop(self) -> None:
@@ -160,19 +165,33 @@ class MetricsCollector:
 
     def _on_endpoints_changed(self, old: dict[str, Endpoint], new: dict[str, Endpoint]) -> None:
         if self._session is not None:
-            self._sync_tasks(new.keys())
+            self._sync_tasks(new)
 
-    def _sync_tasks(self, addresses: Iterable[str]) -> None:
-        wanted = set(addresses)
-        for address in self._tasks.keys() - wanted:
+    def _metrics_urls(self, endpoints: Mapping[str, Endpoint]) -> dict[str, str]:
+        """Each endpoint's metrics URL. With `metrics_port`, an endpoint alone on its IP (a pod
+        with one target port) is scraped on that port; endpoints sharing an IP (the ranks of one
+        pod) keep their own, as the reference applies the port only to single-port pools."""
+        hosts = {address: address for address in endpoints}
+        if self.metrics_port:
+            per_ip = Counter(endpoint.ip for endpoint in endpoints.values())
+            for address, endpoint in endpoints.items():
+                if per_ip[endpoint.ip] == 1:
+                    hosts[address] = join_host_port(endpoint.ip, self.metrics_port)
+        return {address: f"{self.scheme}://{host}{self.path}" for address, host in hosts.items()}
+
+    def _sync_tasks(self, endpoints: Mapping[str, Endpoint]) -> None:
+        urls = self._metrics_urls(endpoints)
+        for address in [a for a in self._tasks if urls.get(a) != self._urls[a]]:
             self._stop_task(address)
-        for address in wanted - self._tasks.keys():
-            task = asyncio.create_task(self._scrape_forever(address), name=f"scrape {address}")
+        for address in urls.keys() - self._tasks.keys():
+            self._urls[address] = urls[address]
+            task = asyncio.create_task(self._scrape_forever(address, urls[address]), name=f"scrape {address}")
             self._tasks[address] = task
             METRICS_AGE.labels(address).set_function(self._age_reader(address))
 
     def _stop_task(self, address: str) -> None:
         task = self._tasks.pop(address)
+        del self._urls[address]
         task.cancel()
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
@@ -195,9 +214,8 @@ class MetricsCollector:
 
     # -- scraping --------------------------------------------------------------------------
 
-    async def _scrape_forever(self, address: str) -> None:
+    async def _scrape_forever(self, address: str, url: str) -> None:
         loop = asyncio.get_running_loop()
-        url = f"{self.scheme}://{address}{self.path}"
         duration = SCRAPE_DURATION.labels(address)
         # A random phase, then ±10% jitter, so endpoints added together never scrape in lockstep.
         due = loop.time() + random.uniform(0, self.interval)

@@ -50,6 +50,7 @@ class DataLayer:
             scheme=settings.scheme,
             insecure_skip_verify=settings.insecure_skip_verify,
             engines=settings.engines,
+            metrics_port=settings.port,
         )
         await self.collector.start()
 

@@ -14,15 +14,25 @@ from picker.framework.plugin import Plugin
 
 
 class MetricsDataSource(Plugin):
-    """`metrics-data-source`: where to scrape each endpoint's Prometheus page."""
+    """`metrics-data-source`: where to scrape each endpoint's Prometheus page. Parameters it
+    was given (`given`) override the `--model-server-metrics-*` flags, which override the
+    built-in defaults, as in the reference."""
 
     plugin_type = "metrics-data-source"
 
-    def __init__(self, name: str, scheme: str = "http", path: str = "/metrics", insecure_skip_verify: bool = True):
+    def __init__(
+        self,
+        name: str,
+        scheme: str = "http",
+        path: str = "/metrics",
+        insecure_skip_verify: bool = True,
+        given: frozenset[str] = frozenset(),
+    ):
         super().__init__(name)
         self.scheme = scheme
         self.path = path
         self.insecure_skip_verify = insecure_skip_verify
+        self.given = given
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> MetricsDataSource:
@@ -31,7 +41,8 @@ class MetricsDataSource(Plugin):
         path = params.string("path", "/metrics")
         if not path.startswith("/"):
             raise PluginConfigError(f"path: must start with '/', got {path!r}")
-        source = cls(name, scheme, path, params.boolean("insecureSkipVerify", True))
+        given = frozenset(key for key in ("scheme", "path", "insecureSkipVerify") if parameters and key in parameters)
+        source = cls(name, scheme, path, params.boolean("insecureSkipVerify", True), given)
         source.parameters = params.finish()
         return source
 
@@ -93,17 +104,28 @@ class ScrapeSettings:
     scheme: str = "http"
     insecure_skip_verify: bool = True
     engines: EngineCatalog | None = None  # None: the built-in engine specs
+    port: int = 0  # --model-server-metrics-port; 0: each endpoint's own port
 
 
-def scrape_settings(sources: tuple[DataSource, ...] | None) -> ScrapeSettings | None:
+def scrape_settings(
+    sources: tuple[DataSource, ...] | None, defaults: ScrapeSettings = ScrapeSettings()
+) -> ScrapeSettings | None:
     """The collector's settings for a config's data sources: None when `sources: []` turns
-    collection off; the defaults for the legacy metrics path (no `dataLayer`, `sources` None).
+    collection off; `defaults` (the `--model-server-metrics-*` flags) for the legacy metrics
+    path (no `dataLayer`, `sources` None) and for what the source's parameters leave out.
     The loader admits at most one source with at most one extractor."""
     if sources is None:
-        return ScrapeSettings()
+        return defaults
     if not sources:
         return None
     (data_source,) = sources
     source = data_source.source
-    engines = data_source.extractors[0].catalog if data_source.extractors else None
-    return ScrapeSettings(source.path, source.scheme, source.insecure_skip_verify, engines)
+    return ScrapeSettings(
+        path=source.path if "path" in source.given else defaults.path,
+        scheme=source.scheme if "scheme" in source.given else defaults.scheme,
+        insecure_skip_verify=(
+            source.insecure_skip_verify if "insecureSkipVerify" in source.given else defaults.insecure_skip_verify
+        ),
+        engines=data_source.extractors[0].catalog if data_source.extractors else defaults.engines,
+        port=defaults.port,
+    )

@@ -98,6 +98,31 @@ def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: Inferen
             step.timer.observe(perf_counter() - started)
 
 
+def routed_fields(request: InferenceRequest, result: SchedulingResult, priority: int, seconds: float) -> dict[str, Any]:
+    """The V(4) line's fields: the request, the chosen endpoints, the primary profile's scores
+    of the first (each scorer's raw score, and the weighted total) and the decision time
+    (parse to pick). No prompt text."""
+    fields: dict[str, Any] = {
+        "x-request-id": request.request_id,
+        "model": request.model,
+        "targetModel": request.target_model,
+        "objective": request.objective,
+        "priority": priority,
+        "endpoint": ",".join(t.address for t in result.targets),
+        "profile": result.primary_profile,
+        "decisionSeconds": round(seconds, 6),
+    }
+    run = result.profile_results.get(result.primary_profile)
+    if run is not None and run.targets:
+        chosen = run.targets[0].address
+        index = next((i for i, c in enumerate(run.candidates) if c.address == chosen), None)
+        fields["candidates"] = len(run.candidates)
+        if index is not None:
+            fields["scores"] = {scorer: scores[index] for scorer, scores in run.scores.items()}
+            fields["totalScore"] = run.totals[index] if index < len(run.totals) else None
+    return fields
+
+
 class RoutedRequest:
     """One routed request, from the pick until its response ends (or the stream dies).
 
@@ -307,6 +332,9 @@ class Director:
     async def route(self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None) -> RoutedRequest:
         """Parse, admit, prepare, schedule and count one request; raises RequestError (400,
         429, 503) when it cannot be routed. `headers` have lower-case names."""
+        # V(4): one line per routed request; below it nothing is measured for the line.
+        log_request = log.isEnabledFor(logging.DEBUG)
+        started = perf_counter() if log_request else 0.0
         runtime = self.runtimes.current
         request_id = headers.get("x-request-id") or str(uuid.uuid4())
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
@@ -322,10 +350,13 @@ class Director:
         tokens = request.estimated_prompt_tokens()
         self._count(targets[0], tokens)
         series = self._model_series(request)
-        metrics.REQUEST_TOTAL.labels(*series.labels, str(runtime.priority(request))).inc()
+        priority = runtime.priority(request)
+        metrics.REQUEST_TOTAL.labels(*series.labels, str(priority)).inc()
         series.sizes.observe(request.size_bytes)
         series.running.inc()
         forwarded = body if request.target_model == request.model else runtime.parser.rewrite_model(request)
+        if log_request:
+            log.debug("request routed", extra=routed_fields(request, result, priority, perf_counter() - started))
         return RoutedRequest(self, request, targets, tokens, runtime, result, forwarded)
 
     def _admit(self, runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:

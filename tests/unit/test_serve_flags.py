@@ -1,0 +1,272 @@
+"""`picker serve`'s flags against the reference EPP v1.5.0's: every one listed in --help, and
+each accepted with the reference meaning or refused at start with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from picker.datalayer.plugins import ScrapeSettings
+from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, log_settings
+from picker.telemetry.logging import TRACE, VERBOSE
+
+# The reference's flags, from its source: pkg/epp/server/options.go (AddFlags),
+# pkg/common/observability/logging/options.go (-v) and controller-runtime's zap BindFlags.
+REFERENCE_FLAGS = (
+    "grpc-port",
+    "ha-enable-leader-election",
+    "pool-group",
+    "pool-namespace",
+    "pool-name",
+    "endpoint-selector",
+    "endpoint-target-ports",
+    "disable-endpoint-subset-filter",
+    "model-server-metrics-scheme",
+    "model-server-metrics-path",
+    "model-server-metrics-port",
+    "model-server-metrics-https-insecure-skip-verify",
+    "refresh-metrics-interval",
+    "refresh-prometheus-metrics-interval",
+    "metrics-staleness-threshold",
+    "total-queued-requests-metric",
+    "total-running-requests-metric",
+    "kv-cache-usage-percentage-metric",
+    "lora-info-metric",
+    "cache-info-metric",
+    "v",
+    "zap-devel",
+    "zap-encoder",
+    "zap-log-level",
+    "zap-stacktrace-level",
+    "zap-time-encoding",
+    "tracing",
+    "health-checking",
+    "metrics-port",
+    "grpc-health-port",
+    "enable-pprof",
+    "cert-path",
+    "enable-cert-reload",
+    "secure-serving",
+    "metrics-endpoint-auth",
+    "config-file",
+    "config-text",
+)
+
+REFUSED = "refused"
+BASE = ["--endpoints", "10.0.0.1:8000"]
+
+
+def server(*argv: str) -> PickerServer:
+    return PickerServer(build_parser().parse_args([*BASE, *argv]))
+
+
+# flag → (arguments with a non-default value, what they must set, the value), or REFUSED.
+Outcome = tuple[list[str], Callable[[PickerServer], Any], Any] | tuple[list[str], str]
+TABLE: dict[str, Outcome] = {
+    "grpc-port": (["--grpc-port", "9102"], lambda s: s.args.grpc_port, 9102),
+    "ha-enable-leader-election": (["--ha-enable-leader-election"], REFUSED),
+    "pool-group": (
+        ["--pool-group", "inference.networking.x-k8s.io"],
+        lambda s: s.args.pool_group,
+        "inference.networking.x-k8s.io",
+    ),
+    "pool-namespace": (["--pool-namespace", "ns"], lambda s: s.args.pool_namespace, "ns"),
+    "pool-name": (["--pool-name", "pool"], lambda s: s.args.pool_name, "pool"),
+    "endpoint-selector": (["--endpoint-selector", "app=vllm"], lambda s: s.args.endpoint_selector, "app=vllm"),
+    "endpoint-target-ports": (
+        ["--endpoint-target-ports", "8000,8001"],
+        lambda s: s.args.endpoint_target_ports,
+        "8000,8001",
+    ),
+    "disable-endpoint-subset-filter": (
+        ["--disable-endpoint-subset-filter"],
+        lambda s: s.args.disable_endpoint_subset_filter,
+        True,
+    ),
+    "model-server-metrics-scheme": (
+        ["--model-server-metrics-scheme", "https"],
+        lambda s: s.scrape_defaults.scheme,
+        "https",
+    ),
+    "model-server-metrics-path": (
+        ["--model-server-metrics-path", "/prometheus/metrics"],
+        lambda s: s.scrape_defaults.path,
+        "/prometheus/metrics",
+    ),
+    "model-server-metrics-port": (["--model-server-metrics-port", "8001"], lambda s: s.scrape_defaults.port, 8001),
+    "model-server-metrics-https-insecure-skip-verify": (
+        ["--model-server-metrics-https-insecure-skip-verify=false"],
+        lambda s: s.scrape_defaults.insecure_skip_verify,
+        False,
+    ),
+    "refresh-metrics-interval": (["--refresh-metrics-interval", "100ms"], lambda s: s.data_layer.interval, 0.1),
+    "refresh-prometheus-metrics-interval": (
+        ["--refresh-prometheus-metrics-interval", "1s"],
+        lambda s: s.data_layer.pool_gauges_interval,
+        1.0,
+    ),
+    "metrics-staleness-threshold": (
+        ["--metrics-staleness-threshold", "3s"],
+        lambda s: s.data_layer.staleness_threshold,
+        3.0,
+    ),
+    "total-queued-requests-metric": (["--total-queued-requests-metric", "sglang:num_queue_reqs"], REFUSED),
+    "total-running-requests-metric": (["--total-running-requests-metric", "sglang:num_running_reqs"], REFUSED),
+    "kv-cache-usage-percentage-metric": (["--kv-cache-usage-percentage-metric", "sglang:token_usage"], REFUSED),
+    "lora-info-metric": (["--lora-info-metric", ""], REFUSED),
+    "cache-info-metric": (["--cache-info-metric", "sglang:cache_config_info"], REFUSED),
+    "v": (["-v=4"], lambda s: log_settings(s.args).threshold, logging.DEBUG),
+    "zap-devel": (["--zap-devel=false"], lambda s: log_settings(s.args).json, True),
+    "zap-encoder": (["--zap-encoder", "json"], lambda s: log_settings(s.args).json, True),
+    "zap-log-level": (["--zap-log-level", "error"], lambda s: log_settings(s.args).threshold, logging.ERROR),
+    "zap-stacktrace-level": (
+        ["--zap-stacktrace-level", "panic"],
+        lambda s: log_settings(s.args).stack_threshold,
+        logging.CRITICAL,
+    ),
+    "zap-time-encoding": (["--zap-time-encoding", "rfc3339"], lambda s: log_settings(s.args).times, "rfc3339"),
+    "tracing": (["--tracing=true"], REFUSED),
+    "health-checking": (["--health-checking"], lambda s: s.args.health_checking, True),
+    "metrics-port": (["--metrics-port", "9191"], lambda s: s.args.metrics_port, 9191),
+    "grpc-health-port": (["--grpc-health-port", "9103"], lambda s: s.args.grpc_health_port, 9103),
+    "enable-pprof": (["--enable-pprof"], REFUSED),
+    "cert-path": (["--cert-path", "/certs"], lambda s: s.args.cert_path, "/certs"),
+    "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.args.enable_cert_reload, True),
+    "secure-serving": (["--secure-serving=false"], lambda s: s.args.secure_serving, False),
+    "metrics-endpoint-auth": (["--metrics-endpoint-auth=true"], REFUSED),
+    "config-file": (["--config-file", "/config/epp.yaml"], lambda s: s.args.config_file, "/config/epp.yaml"),
+    "config-text": (
+        ["--config-text", "kind: EndpointPickerConfig"],
+        lambda s: s.args.config_text,
+        "kind: EndpointPickerConfig",
+    ),
+}
+
+
+def test_every_reference_flag_is_listed_by_picker_serve_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "picker.cli", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout
+    missing = [flag for flag in REFERENCE_FLAGS if f"--{flag}" not in listed]
+    assert missing == []
+    assert "-v V, --v V" in listed  # the reference's shorthand too
+    assert "==SUPPRESS==" not in listed
+    hidden = [a.dest for a in build_parser()._actions if a.help == "==SUPPRESS=="]
+    assert hidden == []
+
+
+def test_the_table_covers_every_reference_flag() -> None:
+    assert set(TABLE) == set(REFERENCE_FLAGS)
+
+
+@pytest.mark.parametrize("flag", REFERENCE_FLAGS)
+def test_each_reference_flag_is_honoured_or_refused_naming_it(flag: str) -> None:
+    outcome = TABLE[flag]
+    if outcome[1] == REFUSED:
+        with pytest.raises(FlagError, match=f"^--{flag}: "):
+            server(*outcome[0])
+        return
+    argv, read, expected = outcome  # type: ignore[misc]
+    assert read(server(*argv)) == expected
+
+
+def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> None:
+    """--metrics-endpoint-auth, --tracing and --enable-pprof default to true in the reference:
+    left out they do not fail the start (they are listed as not honoured yet); =false is
+    honoured; leader election defaults to off."""
+    s = server()
+    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=True, tracing=True, pprof=True)
+    assert s.pending_features == ["--metrics-endpoint-auth", "--tracing", "--enable-pprof"]
+    off = server("--metrics-endpoint-auth=false", "--tracing=false", "--enable-pprof=false")
+    assert off.features == ReferenceFeatures(False, False, False, False)
+    assert off.pending_features == []
+    assert server("--ha-enable-leader-election=false").features.leader_election is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model-server-metrics-scheme", "ftp"], "--model-server-metrics-scheme"),
+        (["--zap-encoder", "xml"], "--zap-encoder"),
+        (["--zap-log-level", "0"], "--zap-log-level"),
+        (["--zap-log-level", "verbose"], "--zap-log-level"),
+        (["--zap-stacktrace-level", "debug"], "--zap-stacktrace-level"),
+        (["--zap-time-encoding", "unix"], "--zap-time-encoding"),
+        (["--v", "high"], "-v/--v"),
+        (["--refresh-metrics-interval", "fast"], "--refresh-metrics-interval"),
+        (["--tracing=maybe"], "--tracing"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(FlagError, match=message):
+        build_parser().parse_args([*BASE, *argv])
+
+
+def test_model_server_metrics_path_and_port_are_checked() -> None:
+    with pytest.raises(FlagError, match="^--model-server-metrics-path: must start with '/'"):
+        server("--model-server-metrics-path", '"/prometheus/metrics"')  # the quotes a YAML list keeps
+    with pytest.raises(FlagError, match="^--model-server-metrics-port: "):
+        server("--model-server-metrics-port", "70000")
+    assert server().scrape_defaults == ScrapeSettings()
+
+
+@pytest.mark.parametrize(
+    ("argv", "threshold"),
+    [
+        ([], logging.INFO),
+        (["-v", "3"], VERBOSE),
+        (["-v=4"], logging.DEBUG),
+        (["--v=4"], logging.DEBUG),
+        (["-v5"], TRACE),
+        (["-v=-1"], logging.INFO),  # negative: the default, as the reference's Validate
+        (["-v=1"], logging.INFO + 1),  # V(2) info lines hidden, warnings kept
+        (["-v=4", "--zap-log-level=info"], logging.INFO + 1),  # --zap-log-level overrides -v
+        (["-v=4", "--zap-log-level=debug"], logging.INFO + 1),  # zap's debug is V(1)
+        (["--zap-log-level=4"], logging.DEBUG),
+        (["--zap-log-level=panic"], logging.CRITICAL),
+    ],
+)
+def test_verbosity_follows_the_reference_levels(argv: list[str], threshold: int) -> None:
+    assert log_settings(build_parser().parse_args(argv)).threshold == threshold
+
+
+@pytest.mark.parametrize(
+    ("argv", "json", "stack", "times"),
+    [
+        ([], False, logging.WARNING, "iso8601"),  # --zap-devel defaults to true: console, stacks from warn
+        (["--zap-devel=false"], True, logging.ERROR, "epoch"),
+        (["--zap-encoder=json"], True, logging.WARNING, "epoch"),  # the chart's arguments
+        (["--zap-devel=false", "--zap-encoder=console"], False, logging.ERROR, "iso8601"),
+        (
+            ["--zap-encoder=json", "--zap-stacktrace-level=info", "--zap-time-encoding=nano"],
+            True,
+            logging.INFO + 1,
+            "nano",
+        ),
+    ],
+)
+def test_zap_flags_choose_encoder_stacktraces_and_time(argv: list[str], json: bool, stack: int, times: str) -> None:
+    settings = log_settings(build_parser().parse_args(argv))
+    assert (settings.json, settings.stack_threshold, settings.times) == (json, stack, times)
+
+
+def test_bad_flags_are_logged_as_json_and_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "picker.cli", "serve", "--zap-encoder=json", "--v=x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "error" and "-v/--v" in record["msg"]
