@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from picker.datalayer.plugins import ScrapeSettings
+from picker.config.runtime import RuntimeHolder
+from picker.datalayer.plugins import DataSource, ScrapeSettings, scrape_settings
+from picker.datastore.store import Datastore
 from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, log_settings
 from picker.telemetry.logging import TRACE, VERBOSE
 
@@ -270,3 +272,34 @@ def test_bad_flags_are_logged_as_json_and_exit_2() -> None:
     (line,) = result.stderr.splitlines()
     record = json.loads(line)
     assert record["level"] == "error" and "-v/--v" in record["msg"]
+
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+def data_sources(source_parameters: str) -> tuple[DataSource, ...] | None:
+    store = Datastore()
+    text = (
+        HEADER + "plugins:\n- type: queue-scorer\n"
+        f"- {{name: source, type: metrics-data-source, parameters: {source_parameters}}}\n"
+        "dataLayer: {sources: [{pluginRef: source}]}\n"
+    )
+    return RuntimeHolder(store).load_text(text).data_sources
+
+
+def test_the_config_s_metrics_source_parameters_override_the_flags_which_override_defaults() -> None:
+    """The reference's precedence: built-in defaults < --model-server-metrics-* < the
+    metrics-data-source plugin's parameters; the port has no parameter."""
+    flags = server(
+        "--model-server-metrics-path", "/prometheus/metrics",
+        "--model-server-metrics-scheme", "https",
+        "--model-server-metrics-https-insecure-skip-verify=false",
+        "--model-server-metrics-port", "8001",
+    ).scrape_defaults  # fmt: skip
+    assert scrape_settings(None, flags) == flags  # no dataLayer: the flags
+    assert scrape_settings(data_sources("{}"), flags) == flags
+    explicit = scrape_settings(data_sources("{path: /metrics, scheme: http, insecureSkipVerify: true}"), flags)
+    assert explicit == ScrapeSettings("/metrics", "http", True, port=8001)
+    partly = scrape_settings(data_sources("{path: /engine/metrics}"), flags)
+    assert partly == ScrapeSettings("/engine/metrics", "https", False, port=8001)
+    assert scrape_settings((), flags) is None  # sources: [] turns scraping off
