@@ -210,25 +210,25 @@ def _add_logging_flags(p: argparse._ActionsContainer) -> None:
     )
     p.add_argument(
         "--zap-encoder",
-        type=_checked(logs.encoder),
+        type=_checked(logs.parse_encoder),
         help="Zap log encoding (one of 'json' or 'console'): json "
         "writes one JSON object per line with zap's keys (level, ts, logger, caller, msg, error, stacktrace)",
     )
     p.add_argument(
         "--zap-log-level",
-        type=_checked(logs.zap_level),
+        type=_checked(logs.parse_zap_level),
         help="Zap Level to configure the verbosity of logging, "
         "overriding -v. Can be one of 'debug' (V1), 'info' (V0), 'error', 'panic' or any integer value > 0 which "
         "corresponds to custom debug levels of increasing verbosity (a -v level)",
     )
     p.add_argument(
         "--zap-stacktrace-level",
-        type=_checked(logs.stacktrace_level),
+        type=_checked(logs.parse_stacktrace_level),
         help="Zap Level at and above which stacktraces are captured (one of 'info', 'error', 'panic').",
     )
     p.add_argument(
         "--zap-time-encoding",
-        type=_checked(logs.time_encoding),
+        type=_checked(logs.parse_time_encoding),
         help="Zap time encoding (one of 'epoch', 'millis', 'nano', 'iso8601', 'rfc3339' or 'rfc3339nano'). "
         "Defaults to 'epoch' (the console encoder: 'iso8601').",
     )
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _encoder_hint(argv: list[str]) -> LogSettings:
     """Logging settings good enough to report flags that do not parse: only the encoder."""
     quick = _FlagParser(add_help=False)
-    quick.add_argument("--zap-encoder", type=_checked(logs.encoder))
+    quick.add_argument("--zap-encoder", type=_checked(logs.parse_encoder))
     _bool_flag(quick, "--zap-devel", True, "")
     try:
         known, _ = quick.parse_known_args(argv)

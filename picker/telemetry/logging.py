@@ -57,7 +57,7 @@ def verbosity_level(verbosity: int) -> int:
     return steps.get(verbosity, max(1, TRACE - (verbosity - 5)))
 
 
-def zap_level(text: str) -> str:
+def parse_zap_level(text: str) -> str:
     """A `--zap-log-level` value: debug, info, error, panic, or an integer > 0 (a V level)."""
     value = text.strip().lower()
     if value in ZAP_LEVEL_NAMES or (value.isdigit() and int(value) > 0):
@@ -75,9 +75,9 @@ def _choice(kind: str, choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-encoder = _choice("encoder", ENCODERS)
-stacktrace_level = _choice("stacktrace level", STACKTRACE_LEVEL_NAMES)
-time_encoding = _choice("time encoding", TIME_ENCODINGS)
+parse_encoder = _choice("encoder", ENCODERS)
+parse_stacktrace_level = _choice("stacktrace level", STACKTRACE_LEVEL_NAMES)
+parse_time_encoding = _choice("time encoding", TIME_ENCODINGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +319,8 @@ def configure(settings: LogSettings, stream: IO[str] | None = None) -> None:
     global _native
     if stream is None:
         if settings.json and _native is None:
-            _native = _NativeStderr()
+            with contextlib.suppress(OSError):  # no usable fd 2 (closed): log to sys.stderr as is
+                _native = _NativeStderr()
         stream = _native.stream if _native is not None else sys.stderr
     handler = _Handler(stream)
     handler.setFormatter(JsonFormatter(settings) if settings.json else ConsoleFormatter(settings))

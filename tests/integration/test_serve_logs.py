@@ -8,12 +8,15 @@ import http.client
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from picker.bench.process import wait_until
+from picker.bench.process import free_port, wait_until
 from picker.bench.soak import MODEL, start_sim_pods
 from tests.stack import start_envoy, start_picker
 
@@ -138,3 +141,22 @@ def test_every_line_is_json_and_v4_logs_one_line_per_routed_request(log_dir: Pat
             assert record["model"] == MODEL and record["endpoint"] and record["scores"], record
             assert isinstance(record["decisionSeconds"], float)
             assert "question" not in json.dumps(record)  # no prompt text below V(5)
+
+
+def test_a_failed_start_and_grpc_core_lines_are_json_too() -> None:
+    """gRPC's C core writes to fd 2 itself (here: the port it cannot bind); with JSON those
+    lines are wrapped as records of the `stderr` logger, and the start fails with exit code 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "picker.cli", "serve", "--zap-encoder=json", "--endpoints", "127.0.0.1:1",
+             "--bind-address", "127.0.0.1", "--grpc-port", str(busy), "--grpc-health-port", str(free_port()),
+             "--metrics-port", str(free_port())],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1 and result.stdout == ""
+    records = [json.loads(line) for line in result.stderr.splitlines()]
+    assert any(r["logger"] == "stderr" and "Failed to add port" in str(r["msg"]) for r in records), result.stderr
+    assert any(r["level"] == "error" and str(r["msg"]).startswith("cannot start: Failed to bind") for r in records)
