@@ -19,7 +19,9 @@ from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parse
 from picker.telemetry.logging import TRACE, VERBOSE
 
 # The reference's flags, from its source: pkg/epp/server/options.go (AddFlags),
-# pkg/common/observability/logging/options.go (-v) and controller-runtime's zap BindFlags.
+# pkg/common/observability/logging/options.go (-v) and controller-runtime's zap BindFlags; the
+# same 37 names the v1.5.0 binary prints in its "Flags processed" start-up line (its --help
+# hides the nine deprecated ones).
 REFERENCE_FLAGS = (
     "grpc-port",
     "ha-enable-leader-election",
