@@ -31,12 +31,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Final
 
 from picker.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from picker.prefix.hashing import chain_seed, token_block_hashes
+from picker.prefix.holders import NOBODY, HolderSets
 
 GPU, CPU, SPECULATIVE = 1, 2, 4
-_NOBODY: frozenset[str] = frozenset()
 _FULL_ATTENTION_KINDS = (None, "full_attention")
 
 
@@ -68,15 +69,24 @@ def _seed(model: str, cache_salt: str | None, tenant: str | None) -> int:
     return chain_seed(model, cache_salt, tenant)
 
 
-@dataclass(slots=True)
-class _EngineBlock:
-    """One engine block of one endpoint: the own keys it completes and the own chain after it."""
+# One engine block of one endpoint: (own keys it completes, tier bits, own key the next own
+# block chains from, tokens after its last complete own block (empty if sizes match), engine
+# blocks whose tokens those are). A plain tuple of ints and int tuples because CPython's garbage
+# collector stops tracking those (not a NamedTuple or a slotted class, which stay tracked): the
+# index holds one per cached block of every endpoint (see `picker.prefix.holders`).
+_EngineBlock = tuple[tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...]]
+OWN_KEYS: Final = 0
+TIERS: Final = 1
 
-    own_keys: list[int]
-    tiers: int
-    tail_parent: int  # own key the next own block chains from
-    tail_tokens: tuple[int, ...]  # tokens after the last complete own block (empty if sizes match)
-    tail_engine: tuple[int, ...]  # engine blocks whose tokens are in tail_tokens
+
+def _with_tiers(block: _EngineBlock, tiers: int) -> _EngineBlock:
+    own_keys, _, tail_parent, tail_tokens, tail_engine = block
+    return (own_keys, tiers, tail_parent, tail_tokens, tail_engine)
+
+
+def _with_own_key(block: _EngineBlock, key: int) -> _EngineBlock:
+    own_keys, tiers, tail_parent, tail_tokens, tail_engine = block
+    return ((*own_keys, key), tiers, tail_parent, tail_tokens, tail_engine)
 
 
 class _EndpointCache:
@@ -125,10 +135,11 @@ class PreciseIndex:
         self._max_scope_hints = max_scope_hints
         self._clock = clock
         self._top = max(weights.gpu, weights.cpu)
-        # own key -> (endpoints holding it, {endpoint: weight} for those below the top weight or
-        # None). Holder sets are interned so runs of blocks with the same holders compare by identity.
-        self._where: dict[int, tuple[frozenset[str], dict[str, float] | None]] = {}
-        self._holder_sets: dict[frozenset[str], frozenset[str]] = {}
+        # own key -> the endpoints holding it (interned, see picker.prefix.holders), and for the
+        # few keys some endpoint holds below the top weight (offloaded), {endpoint: weight}.
+        self._where: dict[int, frozenset[str]] = {}
+        self._below_top: dict[int, dict[str, float]] = {}
+        self._holder_sets = HolderSets()
         self._caches: dict[str, _EndpointCache] = {}
         self._expiries: deque[tuple[float, str, tuple[int, ...]]] = deque()
         self._scope_hints: dict[tuple[str, int], int] = {}
@@ -215,8 +226,8 @@ class PreciseIndex:
             for h in hashes:
                 block = engine.get(h)
                 if block is not None:
-                    block.tiers |= tier
-                    for key in block.own_keys:
+                    engine[h] = _with_tiers(block, block[TIERS] | tier)
+                    for key in block[OWN_KEYS]:
                         self._add(endpoint, cache, key, tier)
             return
         if event.parent_block_hash is None:
@@ -227,21 +238,34 @@ class PreciseIndex:
             parent = engine.get(event.parent_block_hash)
             if parent is None:
                 return  # its chain was never seen (joined mid-stream): placing it would be a guess
-            parent_own, tail_tokens, tail_engine = parent.tail_parent, parent.tail_tokens, parent.tail_engine
+            _, _, parent_own, tail_tokens, tail_engine = parent
         own_size = self.block_size
         base = len(tail_tokens)
         tokens = event.token_ids[: len(hashes) * size]
         if base:
             tokens = tail_tokens + tokens
         own = token_block_hashes(tokens, own_size, parent_own)
+        if size == own_size:  # the common case: one own key per engine block, no tails
+            for h, key in zip(hashes, own):
+                previous = engine.pop(h, None)
+                tiers = tier
+                if previous is not None:
+                    tiers |= previous[TIERS]
+                    for old in previous[OWN_KEYS]:
+                        if old != key:
+                            self._remove(endpoint, cache, old, previous[TIERS])
+                engine[h] = ((key,), tiers, key, (), ())
+                self._add(endpoint, cache, key, tier)
+            self._bound_engine(cache)
+            return
         if base and own:  # the first own block also covers the parent's tail blocks
             for h in tail_engine:
                 block = engine.get(h)
-                if block is not None and own[0] not in block.own_keys:
-                    block.own_keys.append(own[0])
-        spanning = size != own_size  # own keys may then need several engine blocks
-        covers: list[list[int]] = [[] for _ in own] if spanning else []
-        if spanning and base and own:
+                if block is not None and own[0] not in block[OWN_KEYS]:
+                    engine[h] = _with_own_key(block, own[0])
+        # Block sizes differ: an own key may need several engine blocks.
+        covers: list[list[int]] = [[] for _ in own]
+        if base and own:
             covers[0].extend(tail_engine)
         for i, h in enumerate(hashes):
             start = base + i * size
@@ -260,24 +284,27 @@ class PreciseIndex:
                 block_tail_engine = hashes[(tail_start - base) // size : i + 1]
             previous = engine.pop(h, None)
             if previous is not None:
-                for key in previous.own_keys:
+                for key in previous[OWN_KEYS]:
                     if key not in keys:
-                        self._remove(endpoint, cache, key, previous.tiers)
-            engine[h] = _EngineBlock(
-                list(keys),
-                tier | (previous.tiers if previous is not None else 0),
+                        self._remove(endpoint, cache, key, previous[TIERS])
+            engine[h] = (
+                tuple(keys),
+                tier | (previous[TIERS] if previous is not None else 0),
                 own[complete - 1] if complete else parent_own,
                 block_tail,
                 block_tail_engine,
             )
             for key in keys:
                 self._add(endpoint, cache, key, tier)
-            if spanning:
-                for j in range(start // own_size, min((end - 1) // own_size + 1, len(own))):
-                    covers[j].append(h)
-        if spanning:
-            self._record_covers(cache, own, covers)
-            self._restore_spanning(endpoint, cache, hashes)
+            for j in range(start // own_size, min((end - 1) // own_size + 1, len(own))):
+                covers[j].append(h)
+        self._record_covers(cache, own, covers)
+        self._restore_spanning(endpoint, cache, hashes)
+        self._bound_engine(cache)
+
+    @staticmethod
+    def _bound_engine(cache: _EndpointCache) -> None:
+        engine = cache.engine
         if len(engine) > 2 * cache.capacity:  # removals were lost: drop the oldest mappings
             for h in list(engine)[: len(engine) - 2 * cache.capacity]:
                 del engine[h]
@@ -301,18 +328,19 @@ class PreciseIndex:
             for key in cache.covered_by.get(h, ()):
                 if key in cache.tiers:
                     continue
-                found = [engine.get(b) for b in cache.cover.get(key, ())]
+                covering = cache.cover.get(key, ())
+                found = [engine.get(b) for b in covering]
                 blocks = [block for block in found if block is not None]
                 if not blocks or len(blocks) != len(found):  # some covered block is not stored
                     continue
                 tier = GPU | CPU
                 for block in blocks:
-                    tier &= block.tiers
+                    tier &= block[TIERS]
                 if not tier:
                     continue
-                for block in blocks:
-                    if key not in block.own_keys:
-                        block.own_keys.append(key)
+                for b, block in zip(covering, blocks):  # every covered block found: aligned
+                    if key not in block[OWN_KEYS]:
+                        engine[b] = _with_own_key(block, key)
                 self._add(endpoint, cache, key, tier)
 
     def _first_block_seed(self, endpoint: str, cache: _EndpointCache, event: BlockStored) -> int:
@@ -341,10 +369,12 @@ class PreciseIndex:
             block = engine.get(h)
             if block is None:
                 continue
-            block.tiers &= ~tier
-            if not block.tiers:
+            left = block[TIERS] & ~tier
+            if left:
+                engine[h] = _with_tiers(block, left)
+            else:
                 del engine[h]
-            for key in block.own_keys:
+            for key in block[OWN_KEYS]:
                 self._remove(endpoint, cache, key, tier)
 
     # -- request path --------------------------------------------------------------------------
@@ -368,16 +398,16 @@ class PreciseIndex:
         if not active:
             return [0.0] * len(endpoints)
         where = self._where
+        below = self._below_top
         top = self._top
         matched: dict[str, int] = {}
         deficit: dict[str, float] = {}
         position = 0
         previous: frozenset[str] | None = None
         for key in block_hashes:
-            entry = where.get(key)
-            if entry is None:
+            holders = where.get(key)
+            if holders is None:
                 break
-            holders, below_top = entry
             if holders is not previous:  # the same interned set as the last block: nothing drops out
                 if not holders >= active:
                     still = active & holders
@@ -387,8 +417,8 @@ class PreciseIndex:
                     if not active:
                         break
                 previous = holders
-            if below_top is not None:
-                for e, w in below_top.items():
+            if below and (weights := below.get(key)) is not None:
+                for e, w in weights.items():
                     if e in active:
                         deficit[e] = deficit.get(e, 0.0) + top - w
             position += 1
@@ -440,7 +470,7 @@ class PreciseIndex:
         cache = self._caches.get(endpoint)
         if cache is None:
             return set()
-        return {h for h, block in cache.engine.items() if block.tiers & tier}
+        return {h for h, block in cache.engine.items() if block[TIERS] & tier}
 
     def own_keys(self, endpoint: str) -> dict[int, int]:
         """Own key -> tier bits for `endpoint`."""
@@ -475,37 +505,28 @@ class PreciseIndex:
         self._publish(endpoint, key, tiers)
 
     def _publish(self, endpoint: str, key: int, tiers: int) -> None:
-        """Make `_where` say `endpoint` holds `key` on `tiers` (0 = not at all)."""
+        """Make the index say `endpoint` holds `key` on `tiers` (0 = not at all)."""
         where = self._where
-        holders, below_top = where.get(key, (_NOBODY, None))
+        holders = where.get(key, NOBODY)
         if tiers:
             if endpoint not in holders:
-                holders = self._intern(holders | {endpoint})
+                where[key] = self._holder_sets.add(holders, endpoint)
             w = self.weights.weight(tiers)
             if w < self._top:
-                below_top = below_top or {}
-                below_top[endpoint] = w
-            elif below_top is not None and below_top.pop(endpoint, None) is not None and not below_top:
-                below_top = None
+                self._below_top.setdefault(key, {})[endpoint] = w
+                return
         else:
             if endpoint not in holders:
                 return
-            holders = self._intern(holders - {endpoint})
-            if not holders:
+            rest = self._holder_sets.remove(holders, endpoint)
+            if rest:
+                where[key] = rest
+            else:
                 del where[key]
-                return
-            if below_top is not None and below_top.pop(endpoint, None) is not None and not below_top:
-                below_top = None
-        where[key] = (holders, below_top)
-
-    def _intern(self, holders: frozenset[str]) -> frozenset[str]:
-        interned = self._holder_sets
-        found = interned.get(holders)
-        if found is None:
-            if len(interned) >= 4096:  # only an optimisation: start over rather than grow
-                interned.clear()
-            found = interned[holders] = holders
-        return found
+        below = self._below_top
+        weights = below.get(key) if below else None
+        if weights is not None and weights.pop(endpoint, None) is not None and not weights:
+            del below[key]
 
     def _enforce_capacity(self, endpoint: str, cache: _EndpointCache) -> None:
         tiers = cache.tiers

@@ -16,6 +16,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
+from picker.prefix.holders import NOBODY, HolderSets
+
 DEFAULT_LRU_CAPACITY = 31250  # reference lruCapacityPerServer: ~500K tokens / 16 per block
 DEFAULT_REUSE_WINDOW_S = 30.0
 
@@ -59,7 +61,8 @@ class PrefixIndex:
         self.default_capacity = default_capacity
         self.reuse_window_s = reuse_window_s
         self._clock = clock
-        self._owners: dict[int, set[str]] = {}
+        self._owners: dict[int, frozenset[str]] = {}  # interned: see picker.prefix.holders
+        self._holder_sets = HolderSets()
         self._lrus: dict[str, OrderedDict[int, None]] = {}
         self._capacities: dict[str, int] = {}
         self._reuse: dict[str, _RecentReuse] = {}
@@ -129,6 +132,7 @@ class PrefixIndex:
             lru = self._lrus[endpoint] = OrderedDict()
             self._capacities[endpoint] = capacity if capacity and capacity > 0 else self.default_capacity
         owners_of = self._owners
+        holder_sets = self._holder_sets
         added = 0
         reused: list[int] = []
         for block in reversed(hashes):
@@ -139,11 +143,7 @@ class PrefixIndex:
                 continue
             lru[block] = None
             added += 1
-            owners = owners_of.get(block)
-            if owners is None:
-                owners_of[block] = {endpoint}
-            else:
-                owners.add(endpoint)
+            owners_of[block] = holder_sets.add(owners_of.get(block, NOBODY), endpoint)
         self._size += added
         reuse = self._reuse.get(endpoint)
         if reused:
@@ -179,7 +179,9 @@ class PrefixIndex:
 
     def _drop_owner(self, block: int, endpoint: str) -> None:
         owners = self._owners.get(block)
-        if owners is not None:
-            owners.discard(endpoint)
-            if not owners:
+        if owners is not None and endpoint in owners:
+            rest = self._holder_sets.remove(owners, endpoint)
+            if rest:
+                self._owners[block] = rest
+            else:
                 del self._owners[block]
