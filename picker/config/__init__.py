@@ -2,5 +2,5 @@
 (`loader`), the runtime built from it and the holder that installs, reloads and retires runtimes
 (`runtime`), objectives (`objectives`) and `picker config validate|show` (`cli`).
 
-May import: plugins (the registry), framework, scheduling, datalayer, datastore, telemetry.
+May import: plugins (the registry), framework, scheduling, datalayer, datastore, flowcontrol, telemetry.
 """
