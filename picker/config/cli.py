@@ -50,17 +50,18 @@ def _show_live(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=LIVE_TIMEOUT_SECONDS) as response:
             live: dict[str, Any] = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        print(f"cannot read the live config from {url}: {error}", file=sys.stderr)
+        header = [
+            f"live config of {url}",
+            f"source: {live['origin']}",
+            f"sha256: {live['sha256']}",
+            f"loaded at: {live['loadedAt']}",
+            *(f"note: {note}" for note in live["notes"]),
+        ]
+        config = yaml.safe_dump(live["config"], sort_keys=False)
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as error:
+        print(f"cannot read the live config from {url}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
-    header = [
-        f"live config of {url}",
-        f"source: {live['origin']}",
-        f"sha256: {live['sha256']}",
-        f"loaded at: {live['loadedAt']}",
-    ]
-    sys.stdout.write(_comments(header + [f"note: {n}" for n in live["notes"]]))
-    sys.stdout.write(yaml.safe_dump(live["config"], sort_keys=False))
+    sys.stdout.write(_comments(header) + config)
     return 0
 
 

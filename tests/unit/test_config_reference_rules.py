@@ -11,11 +11,15 @@ import yaml
 from picker.config import cli
 from picker.config.loader import build, parse_text, to_yaml
 from picker.config.quantity import parse_quantity
+from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
+from picker.datastore.endpoint import Endpoint
+from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
 from picker.plugins import REGISTRY, UNSUPPORTED_REFERENCE_TYPES
 from picker.request.passthrough import PassthroughParser
+from picker.requestcontrol.director import Director
 from picker.scheduling.concurrency import ConcurrencyDetector
 from tests.unit.test_scheduling_plugins import request, state
 
@@ -155,6 +159,22 @@ def test_concurrency_detector_counts_in_flight_requests_or_tokens() -> None:
     assert tokens.filter(request(), CycleState(), [state(1, tokens=150)]) == []  # none left: the profile fails
     with pytest.raises(Exception, match="concurrencyMode: must be one of requests, tokens"):
         ConcurrencyDetector.create("c", {"concurrencyMode": "bytes"}, Handle())
+
+
+async def test_a_passthrough_request_is_routed_with_its_body_unchanged() -> None:
+    store = Datastore()
+    store.set_endpoints([Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)])
+    holder = RuntimeHolder(store)
+    holder.load_text(
+        HEADER + "plugins: [{type: queue-scorer}, {type: prefix-cache-scorer}, {type: passthrough-parser}]\n"
+        "parser: {pluginRef: passthrough-parser}\n"
+    )
+    body = b"\x08\x96\x01 a protobuf, not JSON"
+    routed = await Director(store, holder).route(
+        body, {":path": "/generate", "x-gateway-model-name-rewrite": "x"}, None
+    )
+    assert routed.targets[0] in {"10.0.0.1:8000", "10.0.0.2:8000"} and routed.body == body
+    routed.finish()
 
 
 def test_passthrough_parser_reads_nothing_from_the_body() -> None:
