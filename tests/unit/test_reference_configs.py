@@ -4,9 +4,13 @@ picker accepts with the same meaning, as `picker config show` prints it; what th
 rejects, the picker rejects with an error naming the place; and where the reference accepts a
 plugin type the picker does not have, the picker refuses it naming the type, the place and why.
 
-The expected meanings were read from the reference itself: epp v1.5.0 run with `--config-file`
-against no cluster logs its "Effective raw configuration" (or its error) and exits, and that is
-what each row restates. Two differences are by design: the reference always adds its three
+The expected meanings were read from the reference itself: epp v1.5.0 run with `--config-file F
+--pool-name x` and a kubeconfig naming an unreachable server logs its "Effective raw
+configuration" (or its error) and exits, and that is what each row restates. Not extracted: the
+loader unit tests' configs that name types only those tests register (test-plugin, test-scorer,
+...), and exact duplicates (the file holding one names both sources). Fragments of a page are
+completed with the apiVersion and kind lines only, and say so. Two differences are by design:
+the reference always adds its three
 default flow-control policies (fcfs-ordering-policy, global-strict-fairness-policy,
 static-usage-limit-policy) even with flow control off; the picker, which does not implement flow
 control, adds one only where the flowControl section names it. And the reference creates the
