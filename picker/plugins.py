@@ -2,6 +2,8 @@
 
 A new plugin type is added here (and nowhere else): its implementation lives with its concern
 (scheduling, prefix, kvevents, datalayer, request, requestcontrol) and knows nothing of this list.
+The reference EPP's types the picker does not have are listed too, with the reason a config
+naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from picker.prefix.plugins import (
 )
 from picker.prefix.session import SessionAffinityScorer
 from picker.request.parser import OpenAIParser
+from picker.request.passthrough import PassthroughParser
+from picker.scheduling.concurrency import ConcurrencyDetector
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from picker.scheduling.profile_handler import SingleProfileHandler
@@ -46,13 +50,14 @@ REGISTRY = Registry(
         Registration(WeightedRandomPicker.plugin_type, WeightedRandomPicker.create),
         Registration(SingleProfileHandler.plugin_type, SingleProfileHandler.create),
         Registration(UtilizationDetector.plugin_type, UtilizationDetector.create),
+        Registration(ConcurrencyDetector.plugin_type, ConcurrencyDetector.create),
         # prefix: the approximate index, its scorers and the TTFT cost model
         Registration(
             ApproxPrefixCacheProducer.plugin_type,
             ApproxPrefixCacheProducer.create,
             default_producer_for=frozenset({PREFIX_MATCH_KEY.name, PROMPT_BLOCKS_KEY.name}),
         ),
-        Registration(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create),
+        Registration(PrefixCacheScorer.plugin_type, PrefixCacheScorer.create, configures_default_producer=True),
         Registration(CacheFitScorer.plugin_type, CacheFitScorer.create),
         Registration(TtftCostScorer.plugin_type, TtftCostScorer.create),
         Registration(SessionAffinityScorer.plugin_type, SessionAffinityScorer.create),
@@ -64,7 +69,29 @@ REGISTRY = Registry(
         Registration(InFlightLoadProducer.plugin_type, InFlightLoadProducer.create),
         # request: parsing
         Registration(OpenAIParser.plugin_type, OpenAIParser.create),
+        Registration(PassthroughParser.plugin_type, PassthroughParser.create),
         # requestcontrol: flow-control policies
         *(Registration(t, FlowControlPolicy.factory(t)) for t in FLOW_CONTROL_POLICY_TYPES),
     ]
 )
+
+_LATENCY_PREDICTOR = (
+    "part of the reference's latency predictor, which needs its training and prediction sidecars; "
+    "the picker predicts time to first token itself: see ttft-cost-scorer"
+)
+
+# Plugin types the reference EPP v1.5.0 registers that the picker does not have, and why: a
+# config naming one fails with this reason rather than as an unknown type.
+UNSUPPORTED_REFERENCE_TYPES = {
+    "vllmgrpc-parser": "the picker routes OpenAI-style HTTP requests; vLLM's gRPC API is not supported",
+    "request-attribute-reporter": "CEL expressions over response usage are not supported",
+    "predicted-latency-scorer": _LATENCY_PREDICTOR,
+    "predicted-latency-producer": _LATENCY_PREDICTOR,
+    "latency-slo-admitter": _LATENCY_PREDICTOR,
+    "latency-scorer": _LATENCY_PREDICTOR,
+    "prefix-cache-affinity-filter": _LATENCY_PREDICTOR,
+    "slo-headroom-tier-filter": _LATENCY_PREDICTOR,
+    "k8s-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
+    "endpoint-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
+    "destination-endpoint-served-verifier": "a conformance-test plugin of the reference",
+}

@@ -453,6 +453,8 @@ class PickerServer:
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
         )
         self.config_watch: asyncio.Task[None] | None = None
+        self.started = False  # Ready only once everything runs: the config loaded, the servers up
+        self.config_map_loaded = False  # later ConfigMap changes reload; the first one is loaded at start
         self.draining = False
         self.endpoint_file: EndpointFile | None = None
         self.discovery: KubernetesDiscovery | None = None
@@ -505,18 +507,35 @@ class PickerServer:
                 "one of --endpoints, --endpoints-file, --pool-name or --endpoint-selector is required"
             )
 
+    def _config_map_origin(self) -> str:
+        return f"ConfigMap {self.args.pool_namespace}/{self.args.config_map}"
+
     def _config_map_changed(self, text: str) -> None:
         """A new EndpointPickerConfig from the watched ConfigMap: swap it in, or keep the old."""
-        self.runtimes.reload(text.encode("utf-8"), f"ConfigMap {self.args.config_map}")
+        if self.config_map_loaded:
+            self.runtimes.reload(text.encode("utf-8"), self._config_map_origin())
+
+    async def _load_config_map(self) -> None:
+        """In api mode, load the ConfigMap before serving, strictly: an invalid config fails the
+        start (the reference crash-loops on it); a missing ConfigMap is waited for, not Ready
+        meanwhile (the reference's pod waits for the ConfigMap its config file comes from)."""
+        if self.discovery is None or not self.args.config_map:
+            return
+        self.runtimes.load_text(await self.discovery.config_text(), self._config_map_origin())
+        self.config_map_loaded = True
 
     def _load_config(self) -> None:
         args = self.args
-        if args.config_file and args.config_text:
-            raise ConfigError(["--config-file and --config-text are mutually exclusive"])
+        if sum(bool(source) for source in (args.config_file, args.config_text, args.config_map)) > 1:
+            raise ConfigError(["--config-file, --config-text and --config-map are mutually exclusive"])
+        if args.config_map and not (args.pool_name or args.endpoint_selector):
+            raise ConfigError(
+                ["--config-map is read through the Kubernetes API: it needs --pool-name or --endpoint-selector"]
+            )
         if args.config_file:
             self.runtimes.load_file(args.config_file)
         elif args.config_text:
-            self.runtimes.load_text(args.config_text)
+            self.runtimes.load_text(args.config_text, "--config-text")
         if args.objectives_file:
             with open(args.objectives_file, encoding="utf-8") as f:
                 self.runtimes.set_objectives(parse_objectives(f.read()))
@@ -528,12 +547,24 @@ class PickerServer:
         scraping = self.data_layer.collector is not None
         self.director.staleness_threshold = self.args.metrics_staleness_threshold if scraping else None
 
+    async def _start_health_server(self) -> None:
+        """Health first, so liveness answers while the start waits (e.g. for its ConfigMap)."""
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # is_leader: None until leader election (self.features.leader_election) is implemented.
+        health_pb2_grpc.add_HealthServicer_to_server(
+            HealthServicer(lambda: self.started and self.datastore.synced, lambda: self.draining), self.health_server
+        )
+        self.health_server.add_insecure_port(f"{self.args.bind_address}:{self.args.grpc_health_port}")
+        await self.health_server.start()
+
     async def start(self) -> None:
         args = self.args
         self._load_config()
         if args.config_file:
             self.config_watch = asyncio.create_task(self.runtimes.watch(args.config_file), name="config-watch")
+        await self._start_health_server()
         await self._start_discovery()
+        await self._load_config_map()
         await self.runtimes.start()
         bind = args.bind_address
         settings = ExtProcSettings(
@@ -553,16 +584,12 @@ class PickerServer:
             self.grpc_server.add_secure_port(address, server_credentials(args.cert_path))
         else:
             self.grpc_server.add_insecure_port(address)
-        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        # is_leader: None until leader election (self.features.leader_election) is implemented.
-        health_pb2_grpc.add_HealthServicer_to_server(
-            HealthServicer(lambda: self.datastore.synced, lambda: self.draining), self.health_server
-        )
-        self.health_server.add_insecure_port(f"{bind}:{args.grpc_health_port}")
         decisions = self.decisions.entries if self.decisions is not None else None
-        self.metrics_runner = await start_metrics_server(metrics_app(decisions), bind, args.metrics_port)
+        self.metrics_runner = await start_metrics_server(
+            metrics_app(decisions, self.runtimes.describe), bind, args.metrics_port
+        )
         await self.grpc_server.start()
-        await self.health_server.start()
+        self.started = True
         metrics.INFO.labels(commit="", build_ref=importlib.metadata.version("picker")).set(1)
         log.info(
             "picker serving ext_proc on %s (%s), health on %s, metrics on %s; %d endpoints",
@@ -610,17 +637,30 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server: PickerServer | None = None
     try:
         server = PickerServer(args)
-        await server.start()
+    except (EndpointListError, ConfigError, OSError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    # The start may wait (for its ConfigMap): a signal meanwhile ends it.
+    starting = asyncio.create_task(server.start(), name="start")
+    stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        log.info("stopped before the start completed")
+        await server.stop()
+        return 0
+    try:
+        starting.result()
     # RuntimeError: gRPC could not bind a port.
     except (EndpointListError, ConfigError, OSError, ValueError, RuntimeError) as e:
+        stopping.cancel()
         log.error("cannot start: %s", e)
-        if server is not None:
-            await server.stop()
+        await server.stop()
         return 1
-    await stop.wait()
+    await stopping
     log.info("shutting down")
     await server.drain()
     return 0

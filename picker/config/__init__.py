@@ -1,6 +1,7 @@
-"""EndpointPickerConfig: strict decoding (`schema`), defaults and plugin instantiation
-(`loader`), the runtime built from it and the holder that installs, reloads and retires runtimes
-(`runtime`), objectives (`objectives`) and `picker config validate|show` (`cli`).
+"""EndpointPickerConfig: strict decoding (`schema`, with Kubernetes quantities: `quantity`),
+defaults and plugin instantiation (`loader`), the runtime built from it and the holder that
+installs, reloads and retires runtimes and names the config in force (`runtime`), objectives
+(`objectives`) and `picker config validate|show` (`cli`).
 
-May import: plugins (the registry), framework, scheduling, datalayer, datastore, telemetry.
+May import: plugins (the registry), framework, scheduling, datalayer, datastore, flowcontrol, telemetry.
 """

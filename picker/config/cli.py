@@ -1,12 +1,26 @@
-"""`picker config validate FILE` and `picker config show [--config-file F | --config-text T]`."""
+"""`picker config validate FILE` and `picker config show [--config-file F | --config-text T | --live URL]`.
+
+`show` prints the effective config as YAML, the loader's notes first as comments (so the output
+still loads); `--live` asks a running picker's metrics port (`GET /config`) for the config in
+force, with where it came from, its hash and when it was loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
 
 from picker.config.loader import build, default_config, parse_file, parse_text, to_yaml
 from picker.config.schema import ConfigError, EndpointPickerConfig
+
+LIVE_TIMEOUT_SECONDS = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,11 +32,43 @@ def _parser() -> argparse.ArgumentParser:
     source = show.add_mutually_exclusive_group()
     source.add_argument("--config-file", help="config file (default: the built-in default config)")
     source.add_argument("--config-text", help="config as inline YAML")
+    source.add_argument(
+        "--live",
+        metavar="URL",
+        help="the config in force in a running picker: its metrics port (http://HOST:9090) or its /config URL",
+    )
     return parser
+
+
+def _comments(lines: Sequence[str]) -> str:
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def _show_live(url: str) -> int:
+    if not url.rstrip("/").endswith("/config"):
+        url = url.rstrip("/") + "/config"
+    try:
+        with urllib.request.urlopen(url, timeout=LIVE_TIMEOUT_SECONDS) as response:
+            live: dict[str, Any] = json.loads(response.read())
+        header = [
+            f"live config of {url}",
+            f"source: {live['origin']}",
+            f"sha256: {live['sha256']}",
+            f"loaded at: {live['loadedAt']}",
+            *(f"note: {note}" for note in live["notes"]),
+        ]
+        config = yaml.safe_dump(live["config"], sort_keys=False)
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as error:
+        print(f"cannot read the live config from {url}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    sys.stdout.write(_comments(header) + config)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "show" and args.live:
+        return _show_live(args.live)
     try:
         config: EndpointPickerConfig
         if args.command == "validate":
@@ -39,7 +85,8 @@ def main(argv: list[str]) -> int:
             print(message, file=sys.stderr)
         return 1
     if args.command == "validate":
+        sys.stdout.write(_comments([f"note: {n}" for n in loaded.notes]))
         print("valid")
     else:
-        sys.stdout.write(to_yaml(loaded.config))
+        sys.stdout.write(_comments([f"note: {n}" for n in loaded.notes]) + to_yaml(loaded.config))
     return 0

@@ -3,7 +3,9 @@
 `build()` instantiates every configured plugin (each validating its own parameters), then
 applies the reference's system defaults (§3.4): a profile handler, a picker per profile, the
 parser, the saturation detector, the data layer and default producers for consumed data keys.
-The returned `LoadedConfig.config` is the effective config with every default written out.
+The returned `LoadedConfig.config` is the effective config with every default written out, and
+`LoadedConfig.notes` says where the picker's meaning needs a word (a reference rule applied,
+something accepted that the picker does not act on).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from picker.config.schema import (
     decode,
 )
 from picker.datalayer.plugins import CoreMetricsExtractor, MetricsDataSource
+from picker.flowcontrol.policies import DEFAULT_POLICIES, FlowControlPolicy
 from picker.framework.handle import Handle
 from picker.framework.parameters import PluginConfigError
 from picker.framework.plugin import (
@@ -42,7 +45,7 @@ from picker.framework.plugin import (
     SaturationDetector,
     Scorer,
 )
-from picker.plugins import REGISTRY
+from picker.plugins import REGISTRY, UNSUPPORTED_REFERENCE_TYPES
 
 DEFAULT_PROFILE = "default"
 DEFAULT_SCORER_WEIGHT = 1.0
@@ -50,11 +53,13 @@ DEFAULT_SCORER_WEIGHT = 1.0
 
 @dataclass(frozen=True, slots=True)
 class LoadedConfig:
-    """An effective config and its plugins by name; producers in dependency order."""
+    """An effective config and its plugins by name; producers in dependency order; notes for
+    the operator (`picker config show` prints them, the server logs them on install)."""
 
     config: EndpointPickerConfig
     plugins: Mapping[str, Plugin]
     producers: tuple[DataProducer, ...]
+    notes: tuple[str, ...] = ()
 
 
 def parse_text(text: str) -> EndpointPickerConfig:
@@ -94,16 +99,26 @@ class _Builder:
         self.config = config
         self.handle = handle
         self.errors: list[str] = []
+        self.notes: list[str] = []
         self.specs: list[PluginSpec] = []
+        self.places: dict[str, str] = {}  # plugin name → where it was configured (or added)
+        self.forwarded: set[str] = set()  # plugins whose parameters configured a default producer
         self.plugins: dict[str, Plugin] = {}
 
     # -- plugins -------------------------------------------------------------------------
 
     def instantiate(self, spec: PluginSpec, place: str) -> None:
         self.specs.append(spec)
+        self.places[spec.name] = place
         registration = REGISTRY.lookup(spec.type)
         if registration is None:
-            self.errors.append(f'{place}.type: unknown plugin type "{spec.type}"')
+            reason = UNSUPPORTED_REFERENCE_TYPES.get(spec.type)
+            if reason is not None:
+                self.errors.append(
+                    f'{place}.type: the picker does not support the reference type "{spec.type}": {reason}'
+                )
+            else:
+                self.errors.append(f'{place}.type: unknown plugin type "{spec.type}"')
             return
         try:
             plugin = registration.factory(spec.name, spec.parameters, self.handle)
@@ -116,17 +131,19 @@ class _Builder:
         self.plugins[spec.name] = plugin
         self.handle.add_plugin(plugin)
 
-    def ensure(self, plugin_type: str) -> str:
-        """The name of a plugin of `plugin_type` (an existing one, else a new default one)."""
-        for spec in self.specs:
-            if spec.type == plugin_type:
-                return spec.name
-        name = plugin_type
-        if any(spec.name == name for spec in self.specs):
-            self.errors.append(f'plugins: cannot add default plugin "{plugin_type}": its name is taken')
-            return name
-        self.instantiate(PluginSpec(name, plugin_type), f'default plugin "{plugin_type}"')
-        return name
+    def ensure(self, plugin_type: str, parameters: Mapping[str, Any] | None = None) -> str:
+        """`plugin_type` as a plugin name: the plugin of that name, else a new one of that type
+        (with `parameters`, else defaults), as the reference adds its defaults by name."""
+        existing = next((spec for spec in self.specs if spec.name == plugin_type), None)
+        if existing is None:
+            spec = PluginSpec(plugin_type, plugin_type, dict(parameters or {}))
+            self.instantiate(spec, f'default plugin "{plugin_type}"')
+        elif existing.type != plugin_type:
+            self.errors.append(
+                f'{self.places[plugin_type]}.name: cannot add the default plugin "{plugin_type}": '
+                f'a plugin of type "{existing.type}" has its name'
+            )
+        return plugin_type
 
     def check_ref(
         self, ref: str, place: str, kind: type[Plugin] | tuple[type[Plugin], ...], what: str
@@ -165,9 +182,11 @@ class _Builder:
         data_layer = self.data_layer()
         self.flow_control_refs()
         self.default_producers()
+        self.unused_producer_parameters()
         producers = self.ordered_producers()
         if self.errors:
             raise ConfigError(self.errors)
+        self.notes += _feature_notes(config)
         effective = replace(
             config,
             plugins=tuple(
@@ -179,7 +198,7 @@ class _Builder:
             saturation_detector=PluginRef(detector),
             data_layer=data_layer,
         )
-        return LoadedConfig(effective, dict(self.plugins), producers)
+        return LoadedConfig(effective, dict(self.plugins), producers, tuple(self.notes))
 
     def profiles(self) -> tuple[SchedulingProfileSpec, ...]:
         declared = self.config.scheduling_profiles
@@ -201,9 +220,12 @@ class _Builder:
             pickers: list[str] = []
             for j, ref in enumerate(profile.plugins):
                 ref_place = f"{place}.plugins[{j}].pluginRef"
-                plugin = self.check_ref(
-                    ref.plugin_ref, ref_place, (Filter, Scorer, Picker), "a filter, scorer or picker"
-                )
+                plugin = self.check_ref(ref.plugin_ref, ref_place, Plugin, "a plugin")
+                if plugin is not None and not isinstance(plugin, (Filter, Scorer, Picker)):
+                    self.notes.append(
+                        f'{ref_place}: "{ref.plugin_ref}" is not a filter, scorer or picker: '
+                        "it takes no part in scheduling (as in the reference)"
+                    )
                 if isinstance(plugin, Picker):
                     pickers.append(ref.plugin_ref)
                 weight = ref.weight if ref.weight is not None else DEFAULT_SCORER_WEIGHT
@@ -211,14 +233,27 @@ class _Builder:
             if len(pickers) > 1:
                 self.errors.append(f"{place}: more than one picker ({_quoted(pickers)})")
             if not pickers:
-                refs.append(ProfilePluginRef(self.ensure("max-score-picker")))
+                refs.append(ProfilePluginRef(self.default_picker()))
             result.append(SchedulingProfileSpec(profile.name, tuple(refs)))
         return tuple(result)
+
+    def default_picker(self) -> str:
+        """The picker of a profile that names none: the first configured picker, else a
+        max-score-picker (the reference's rule)."""
+        for spec in self.specs:
+            if isinstance(self.plugins.get(spec.name), Picker):
+                return spec.name
+        return self.ensure("max-score-picker")
 
     def profile_handler(self, profiles: tuple[SchedulingProfileSpec, ...]) -> None:
         handlers = [name for name, p in self.plugins.items() if isinstance(p, ProfileHandler)]
         if len(handlers) > 1:
             self.errors.append(f"plugins: only one profile handler may be configured, found {_quoted(handlers)}")
+            return
+        if not handlers and len(profiles) > 1:
+            self.errors.append(
+                f"plugins: {len(profiles)} scheduling profiles need a profile handler; none is configured"
+            )
             return
         if not handlers:
             handlers = [self.ensure("single-profile-handler")]
@@ -229,10 +264,14 @@ class _Builder:
             )
 
     def single_ref(self, ref: PluginRef | None, place: str, default_type: str, kind: type[Plugin], what: str) -> str:
-        if ref is None:
-            return self.ensure(default_type)
-        self.check_ref(ref.plugin_ref, f"{place}.pluginRef", kind, what)
-        return ref.plugin_ref
+        """The plugin a `{pluginRef}` section names; the default type's name (also when the
+        section is absent) is added with defaults when no plugin has it, as in the reference."""
+        name = ref.plugin_ref if ref is not None else default_type
+        if name == default_type:
+            self.ensure(default_type)
+        else:
+            self.check_ref(name, f"{place}.pluginRef", kind, what)
+        return name
 
     def data_layer(self) -> DataLayerSpec | None:
         spec = self.config.data_layer
@@ -261,6 +300,8 @@ class _Builder:
         return spec
 
     def flow_control_refs(self) -> None:
+        """Every policy the flowControl section names must be a configured policy; the
+        reference's default policies (`DEFAULT_POLICIES`) are added when named and absent."""
         flow = self.config.flow_control
         if flow is None:
             return
@@ -271,8 +312,10 @@ class _Builder:
             refs += [(f"{place}.fairnessPolicyRef", band.fairness_policy_ref)]
             refs += [(f"{place}.orderingPolicyRef", band.ordering_policy_ref)]
         for place, ref in refs:
-            if ref is not None and not any(spec.name == ref for spec in self.specs):
-                self.errors.append(f'{place}: no plugin named "{ref}"')
+            if ref in DEFAULT_POLICIES:
+                self.ensure(ref)
+            if ref is not None:
+                self.check_ref(ref, place, FlowControlPolicy, "a flow-control policy")
 
     def default_producers(self) -> None:
         """Add the registered default producer of every consumed key nobody produces."""
@@ -292,8 +335,50 @@ class _Builder:
                 producer_type = REGISTRY.default_producer(key)
                 if producer_type is None:
                     self.errors.append(f'plugin "{name}" consumes "{key}" but no plugin produces it')
-                else:
-                    self.ensure(producer_type)
+                elif not any(spec.name == producer_type for spec in self.specs):
+                    self.ensure(producer_type, self.producer_parameters(key, producer_type))
+
+    def producer_parameters(self, key: str, producer_type: str) -> Mapping[str, Any]:
+        """The parameters of the default producer added for `key`: those of the last configured
+        plugin consuming `key` whose type configures it (the reference's rule), else none."""
+        donors = [spec for spec in self.specs if self.configures_producer(spec, key)]
+        if not donors:
+            return {}
+        donor = donors[-1]
+        self.forwarded.add(donor.name)
+        if donor.parameters:
+            self.notes.append(
+                f'{self.places[donor.name]} "{donor.name}": its parameters configure the "{producer_type}" '
+                "added for it (as in the reference)"
+            )
+        return donor.parameters
+
+    def configures_producer(self, spec: PluginSpec, key: str) -> bool:
+        registration = REGISTRY.lookup(spec.type)
+        plugin = self.plugins.get(spec.name)
+        return (
+            registration is not None
+            and registration.configures_default_producer
+            and plugin is not None
+            and key in {k.name for k in plugin.consumes}
+        )
+
+    def unused_producer_parameters(self) -> None:
+        """Note the parameters of plugins whose type configures a default producer, where they
+        configured none: one was configured, or a later plugin's parameters were used."""
+        for spec in self.specs:
+            registration = REGISTRY.lookup(spec.type)
+            if (
+                spec.parameters
+                and registration is not None
+                and registration.configures_default_producer
+                and spec.name not in self.forwarded
+            ):
+                self.notes.append(
+                    f'{self.places[spec.name]} "{spec.name}": its parameters are not used: they configure only '
+                    "the producer added for it, and none was (one is configured, or a later plugin's parameters "
+                    "configured it), as in the reference"
+                )
 
     def ordered_producers(self) -> tuple[DataProducer, ...]:
         producers = [p for p in self.plugins.values() if isinstance(p, DataProducer)]
@@ -314,6 +399,19 @@ class _Builder:
             return ()
         by_name = {p.name: p for p in producers}
         return tuple(by_name[name] for name in order)
+
+
+def _feature_notes(config: EndpointPickerConfig) -> list[str]:
+    """What the feature gates and the flowControl section mean to the picker."""
+    notes = []
+    if "dataLayer" in config.feature_gates:
+        notes.append('featureGates: "dataLayer" is obsolete: the data layer is always on (as in the reference)')
+    if "flowControl" in config.feature_gates or config.flow_control is not None:
+        notes.append(
+            "flowControl: accepted and validated, but the picker does not implement flow control: a sheddable "
+            "request (priority < 0) is rejected while the pool is saturated, as the reference does without it"
+        )
+    return notes
 
 
 def _quoted(names: list[str]) -> str:

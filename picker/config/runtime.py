@@ -9,6 +9,9 @@ one request; swapping is one attribute assignment on the event loop, hence atomi
 A reload builds the new runtime completely (a failed build changes nothing), installs it, then
 starts its background work, stops the old runtime's and releases the persistent objects the new
 config no longer uses (`Handle.persistent`), with their datastore listeners.
+
+Which config is in force, where it came from and when it was loaded (`ConfigSource`) is what
+`picker_config_info` and the metrics port's `GET /config` report (`RuntimeHolder.describe`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text
+from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
 from picker.config.schema import ConfigError, EndpointPickerConfig, ProfilePluginRef
 from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDataSource
 from picker.datastore.store import Datastore
@@ -46,11 +50,24 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest
 from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
-from picker.telemetry.metrics import CONFIG_LAST_RELOAD, CONFIG_RELOADS
+from picker.telemetry.metrics import CONFIG_INFO, CONFIG_LAST_RELOAD, CONFIG_RELOADS
 
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_SECONDS = 0.5
+DEFAULT_ORIGIN = "default"  # the built-in default config, no text given
+HASH_LABEL_CHARS = 16  # of the sha256 hex in picker_config_info's `hash` label
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSource:
+    """Where the config in force came from: `origin` (a file path, `--config-text`, `ConfigMap
+    ns/name` or `default`), the sha256 of its text (of its YAML for the default) and the Unix
+    time it was installed."""
+
+    origin: str
+    sha256: str
+    loaded_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +93,8 @@ class Runtime:
     - `background`: plugins with work of their own, started when installed;
     - `data_sources`: what the data layer scrapes (None with `enableLegacyMetrics` and no
       `dataLayer` section; empty when `dataLayer.sources: []` turns collection off);
-    - `persistent_keys`: the persistent objects (`Handle.persistent`) this config uses.
+    - `persistent_keys`: the persistent objects (`Handle.persistent`) this config uses;
+    - `notes`: the loader's notes on the config (logged when installed).
     """
 
     def __init__(
@@ -87,8 +105,10 @@ class Runtime:
         persistent_keys: frozenset[str],
         objectives: Mapping[str, int | None],
         decision_log: DecisionLog | None = None,
+        notes: Sequence[str] = (),
     ) -> None:
         self.config = config
+        self.notes = tuple(notes)
         self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
         self.feature_gates = frozenset(config.feature_gates)
         self.objectives = objectives
@@ -185,6 +205,7 @@ class RuntimeHolder:
         self._activation_lock = asyncio.Lock()
         self._active: Runtime | None = None  # the runtime whose background work runs
         self.current: Runtime = self.build(default_config())
+        self.source = self._record_source(DEFAULT_ORIGIN, to_yaml(self.current.config).encode())
 
     # -- building and installing -------------------------------------------------------------
 
@@ -198,22 +219,45 @@ class RuntimeHolder:
             self._activate_later()
             raise
         return Runtime(
-            loaded.config, loaded.plugins, loaded.producers, frozenset(handle.used), self._objectives, self.decision_log
+            loaded.config,
+            loaded.plugins,
+            loaded.producers,
+            frozenset(handle.used),
+            self._objectives,
+            self.decision_log,
+            loaded.notes,
         )
 
-    def install(self, runtime: Runtime) -> None:
-        """Make `runtime` current; its background work starts and the old one's stops (at once
-        when started on a loop, else at `start`)."""
-        if "dataLayer" in runtime.feature_gates:
-            log.info("the dataLayer feature gate is obsolete: the data layer is always on")
-        if "flowControl" in runtime.feature_gates:
-            log.warning(
-                "the flowControl feature gate is set, but the picker does not implement flow control; "
-                "sheddable requests use saturation-based admission"
-            )
+    def install(self, runtime: Runtime, origin: str, text: bytes) -> None:
+        """Make `runtime` (built from `text`, read from `origin`) current; its background work
+        starts and the old one's stops (at once when started on a loop, else at `start`)."""
+        for note in runtime.notes:
+            log.info("config from %s: %s", origin, note)
         self.current = runtime
-        CONFIG_LAST_RELOAD.set(time.time())
+        self.source = self._record_source(origin, text)
         self._activate_later()
+
+    @staticmethod
+    def _record_source(origin: str, text: bytes) -> ConfigSource:
+        """The source of a config just installed, also set in the config metrics."""
+        source = ConfigSource(origin, hashlib.sha256(text).hexdigest(), time.time())
+        CONFIG_LAST_RELOAD.set(source.loaded_at)
+        CONFIG_INFO.clear()  # one series: the config in force
+        CONFIG_INFO.labels(source.sha256[:HASH_LABEL_CHARS], origin).set(1)
+        return source
+
+    def describe(self) -> dict[str, Any]:
+        """The config in force for `GET /config`: where from, its hash, when it was loaded,
+        the loader's notes and the effective config (`picker config show --live` prints it)."""
+        source = self.source
+        return {
+            "origin": source.origin,
+            "sha256": source.sha256,
+            "loadedAt": datetime.fromtimestamp(source.loaded_at, UTC).isoformat(),
+            "loadedAtUnix": source.loaded_at,
+            "notes": list(self.current.notes),
+            "config": to_document(self.current.config),
+        }
 
     def _activate_later(self) -> None:
         if not self._started:
@@ -259,11 +303,13 @@ class RuntimeHolder:
 
     # -- loading ------------------------------------------------------------------------------
 
-    def load_text(self, text: str) -> Runtime:
-        """Parse, build and install `text`; raises ConfigError and keeps the old runtime."""
+    def load_text(self, text: str, origin: str = "--config-text") -> Runtime:
+        """Parse, build and install `text` (read from `origin`); raises ConfigError and keeps
+        the old runtime."""
+        data = text.encode()
         runtime = self.build(parse_text(text))
-        self.install(runtime)
-        self._source_hash = hashlib.sha256(text.encode()).digest()
+        self.install(runtime, origin, data)
+        self._source_hash = hashlib.sha256(data).digest()
         return runtime
 
     def load_file(self, path: str | Path) -> Runtime:
@@ -272,14 +318,14 @@ class RuntimeHolder:
             data = Path(path).read_bytes()
         except OSError as error:
             raise ConfigError([f"cannot read {path}: {error}"]) from None
-        return self._load_bytes(data)
+        return self._load_bytes(data, str(path))
 
-    def _load_bytes(self, data: bytes) -> Runtime:
+    def _load_bytes(self, data: bytes, origin: str) -> Runtime:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ConfigError([f"the config is not UTF-8: {error}"]) from None
-        return self.load_text(text)
+        return self.load_text(text, origin)
 
     def reload(self, data: bytes, source: str) -> bool:
         """Install `data` if it changed and is valid; an invalid config is logged and counted
@@ -288,7 +334,7 @@ class RuntimeHolder:
         if digest == self._source_hash:
             return False
         try:
-            self._load_bytes(data)
+            self._load_bytes(data, source)
         except Exception as error:  # a reload must survive any bad config, and keep the old one
             self._source_hash = digest  # report this content once, not every poll
             CONFIG_RELOADS.labels("failure").inc()

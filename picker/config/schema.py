@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from picker.config.quantity import parse_quantity
 from picker.framework.durations import parse_duration
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
@@ -112,7 +113,8 @@ class _Decoder:
             return {}
         for key in value:
             if key not in known:
-                self.fail(_join(path, str(key)), "unknown field")
+                hint = _RENAMED.get(str(key))
+                self.fail(_join(path, str(key)), f"unknown field (did you mean {hint}?)" if hint else "unknown field")
         return value
 
     def sequence(self, value: Any, path: str) -> list[Any]:
@@ -152,11 +154,14 @@ class _Decoder:
             return None
         return float(value)
 
-    def plugin_ref(self, value: Any, path: str) -> PluginRef | None:
+    def plugin_ref(self, value: Any, path: str, *, optional: bool = False) -> PluginRef | None:
+        """A `{pluginRef: name}` section; with `optional`, an empty name means the default (None)."""
         raw = self.mapping(value, path, ("pluginRef",))
         if value is None:
             return None
-        ref = self.string(raw.get("pluginRef"), _join(path, "pluginRef"), required=True)
+        ref = self.string(raw.get("pluginRef"), _join(path, "pluginRef"), required=not optional)
+        if optional and not ref:
+            return None
         return PluginRef(ref or "")
 
     def document(self, raw: Any) -> EndpointPickerConfig:
@@ -201,10 +206,14 @@ class _Decoder:
                 self.profile(p, f"schedulingProfiles[{i}]")
                 for i, p in enumerate(self.sequence(top.get("schedulingProfiles"), "schedulingProfiles"))
             ),
-            saturation_detector=self.plugin_ref(top.get("saturationDetector"), "saturationDetector"),
+            # The reference: an empty saturationDetector.pluginRef means utilization-detector.
+            saturation_detector=self.plugin_ref(top.get("saturationDetector"), "saturationDetector", optional=True),
             parser=self.plugin_ref(top.get("parser"), "parser"),
-            data_layer=self.data_layer(top.get("dataLayer"), "dataLayer") if "dataLayer" in top else None,
-            flow_control=self.flow_control(top.get("flowControl"), "flowControl") if "flowControl" in top else None,
+            # `dataLayer: null` is the same as no section (the default data layer), `{}` turns it off.
+            data_layer=self.data_layer(top["dataLayer"], "dataLayer") if top.get("dataLayer") is not None else None,
+            flow_control=(
+                self.flow_control(top["flowControl"], "flowControl") if top.get("flowControl") is not None else None
+            ),
         )
 
     def plugin(self, value: Any, path: str) -> PluginSpec:
@@ -254,8 +263,8 @@ class _Decoder:
             self.fail(_join(path, "priority"), "is required")
         return PriorityBandSpec(
             priority=priority,
-            max_bytes=self.non_negative(raw.get("maxBytes"), _join(path, "maxBytes")),
-            max_requests=self.non_negative(raw.get("maxRequests"), _join(path, "maxRequests")),
+            max_bytes=self.quantity(raw.get("maxBytes"), _join(path, "maxBytes")),
+            max_requests=self.quantity(raw.get("maxRequests"), _join(path, "maxRequests")),
             fairness_policy_ref=self.string(raw.get("fairnessPolicyRef"), _join(path, "fairnessPolicyRef")),
             ordering_policy_ref=self.string(raw.get("orderingPolicyRef"), _join(path, "orderingPolicyRef")),
         )
@@ -264,6 +273,20 @@ class _Decoder:
         number = self.integer(value, path)
         if number is not None and number < 0:
             self.fail(path, f"must be >= 0, got {number}")
+        return number
+
+    def quantity(self, value: Any, path: str) -> int | None:
+        """A non-negative integer or Kubernetes quantity string ("10Gi", "500M"), as a number."""
+        if not isinstance(value, str):
+            return self.non_negative(value, path)
+        try:
+            number = parse_quantity(value)
+        except ValueError as error:
+            self.fail(path, str(error))
+            return None
+        if number < 0:
+            self.fail(path, f'must be >= 0, got "{value}"')
+            return None
         return number
 
     def flow_control(self, value: Any, path: str) -> FlowControlSpec:
@@ -298,8 +321,8 @@ class _Decoder:
                 self.fail(f"{path}.priorityBands[{i}].priority", f"duplicate priority {band.priority}")
             seen.add(band.priority)
         return FlowControlSpec(
-            max_bytes=self.non_negative(raw.get("maxBytes"), _join(path, "maxBytes")),
-            max_requests=self.non_negative(raw.get("maxRequests"), _join(path, "maxRequests")),
+            max_bytes=self.quantity(raw.get("maxBytes"), _join(path, "maxBytes")),
+            max_requests=self.quantity(raw.get("maxRequests"), _join(path, "maxRequests")),
             default_request_ttl=ttl,
             default_priority_band=(
                 self.priority_band(default_band, _join(path, "defaultPriorityBand"), needs_priority=False)
@@ -311,6 +334,10 @@ class _Decoder:
                 raw.get("usageLimitPolicyPluginRef"), _join(path, "usageLimitPolicyPluginRef")
             ),
         )
+
+
+# Field names the reference's docs use but its decoder rejects, with the name it reads.
+_RENAMED = {"data": "dataLayer"}
 
 
 def _join(path: str, key: str) -> str:

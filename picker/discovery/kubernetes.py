@@ -1,5 +1,6 @@
 """Endpoint discovery from the Kubernetes API: an InferencePool (or a plain label selector) and
-its pods, InferenceObjectives, and the ConfigMap holding the EndpointPickerConfig.
+its pods, InferenceObjectives, and the ConfigMap holding the EndpointPickerConfig (its text as
+first read, for the start: `config_text`; every change after: `on_config_text`).
 
 Each watched kind runs in a `KubeReflector` thread; results arrive on the event loop, where this
 class turns them into `Datastore.set_endpoints` calls and the `on_objectives` /
@@ -41,6 +42,10 @@ _STOP_TIMEOUT = 5.0
 
 class KubeCredentialsError(Exception):
     """No usable Kubernetes credentials (bad kubeconfig, or none and not in a cluster)."""
+
+
+class ConfigMapError(ValueError):
+    """The watched ConfigMap holds no EndpointPickerConfig (no key for it)."""
 
 
 def api_client(kubeconfig: str | None) -> client.ApiClient:
@@ -116,6 +121,9 @@ class KubernetesDiscovery:
         self._pods: Objects = {}
         self._objectives: dict[str, int] | None = None
         self._config_text: str | None = None
+        self._config_problem: str | None = None  # why the ConfigMap holds no config, when it does not
+        self._config_seen = asyncio.Event()  # the ConfigMap exists and has been read
+        self._config_map_missing_logged = False
         self._objectives_task: asyncio.Task[None] | None = None
         self._stopped = threading.Event()
 
@@ -270,18 +278,29 @@ class KubernetesDiscovery:
             self._objectives = priorities
             self._on_objectives(dict(priorities))
 
+    async def config_text(self) -> str:
+        """The watched ConfigMap's EndpointPickerConfig text, once the ConfigMap has been read:
+        waits while it does not exist; raises ConfigMapError if it holds no config."""
+        await self._config_seen.wait()
+        if self._config_text is None:
+            raise ConfigMapError(self._config_problem or "no config")
+        return self._config_text
+
     def _on_config_maps(self, objects: Objects) -> None:
         config_map = objects.get(self._config_map or "")
         if config_map is None:
+            if not self._config_seen.is_set() and not self._config_map_missing_logged:
+                self._config_map_missing_logged = True
+                log.warning("ConfigMap %s/%s does not exist: waiting for it", self._namespace, self._config_map)
             return  # deleted or not created yet: keep running on the last config
+        self._config_seen.set()
         text = config_map_text(config_map, self._config_map_key)
         if text is None:
-            log.error(
-                "ConfigMap %s/%s has no key %s",
-                self._namespace,
-                self._config_map,
-                self._config_map_key or "ending in .yaml",
+            self._config_problem = (
+                f"ConfigMap {self._namespace}/{self._config_map} has no key "
+                f"{self._config_map_key or 'ending in .yaml'} holding the EndpointPickerConfig"
             )
+            log.error("%s", self._config_problem)
             return
         if text != self._config_text:
             self._config_text = text

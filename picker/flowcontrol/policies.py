@@ -1,5 +1,5 @@
 """Flow-control policy plugins, as the reference names them. The picker does not implement flow
-control yet: these validate (no parameters) so reference configs load, and are otherwise inert."""
+control yet: these validate their parameters so reference configs load, and are otherwise inert."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from picker.framework.registry import PluginFactory
 
 
 class FlowControlPolicy(Plugin):
-    """A flow-control fairness or ordering policy named by `flowControl`. The picker does not
-    implement flow control, so these only validate (no parameters) and are otherwise inert."""
+    """A flow-control fairness, ordering or usage-limit policy named by `flowControl`. The picker
+    does not implement flow control, so these only validate their parameters (the static
+    usage-limit policy's `threshold`, the others none) and are otherwise inert."""
 
     def __init__(self, name: str, policy_type: str) -> None:
         super().__init__(name)
@@ -25,11 +26,19 @@ class FlowControlPolicy(Plugin):
         """The registry factory for `policy_type`."""
 
         def create(name: str, parameters: Mapping[str, Any], handle: Handle) -> FlowControlPolicy:
-            Parameters(parameters).finish()
-            return FlowControlPolicy(name, policy_type)
+            params = Parameters(parameters)
+            if policy_type == STATIC_USAGE_LIMIT_POLICY:
+                params.number("threshold", 1.0)  # the reference's fixed ceiling (1.0: no gating)
+            policy = FlowControlPolicy(name, policy_type)
+            policy.parameters = params.finish()
+            return policy
 
         return create
 
+
+STATIC_USAGE_LIMIT_POLICY = "static-usage-limit-policy"
+# The policies the reference uses where flowControl names none, always present by these names.
+DEFAULT_POLICIES = ("fcfs-ordering-policy", "global-strict-fairness-policy", STATIC_USAGE_LIMIT_POLICY)
 
 # The reference's flow-control policy types.
 FLOW_CONTROL_POLICY_TYPES = (
@@ -37,4 +46,6 @@ FLOW_CONTROL_POLICY_TYPES = (
     "round-robin-fairness-policy",
     "fcfs-ordering-policy",
     "edf-ordering-policy",
+    "slo-deadline-ordering-policy",
+    STATIC_USAGE_LIMIT_POLICY,
 )

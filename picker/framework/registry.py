@@ -27,11 +27,16 @@ class Registration:
     `default_producer_for`: data keys this type is the default producer of; the config loader
     adds an instance (with default parameters) when a configured plugin consumes such a key
     and no configured plugin produces it.
+    `configures_default_producer`: this type's parameters are those of the default producer
+    the loader adds for it, which gets them (the reference's `prefix-cache-scorer` passes its
+    parameters to the `approx-prefix-cache-producer` it creates); its factory validates them
+    as that producer's.
     """
 
     plugin_type: str
     factory: PluginFactory
     default_producer_for: frozenset[str] = frozenset()
+    configures_default_producer: bool = False
 
 
 class Registry:

@@ -6,7 +6,9 @@
   `PrefixCacheMatchInfo` and `PromptBlocks` under `PromptBlocks`; after the pick it records
   the prompt at the primary target (and a `prefill` profile's target); when the response ends
   it learns TTFT rates and counts the value metrics.
-* `prefix-cache-scorer` (no parameters): matched blocks / prompt blocks, as in the reference.
+* `prefix-cache-scorer`: matched blocks / prompt blocks, as in the reference. Its parameters are
+  the producer's: as in the reference, they configure the producer the loader adds when none is
+  configured (`Registration.configures_default_producer`).
 * `ttft-cost-scorer`: best predicted TTFT / the endpoint's predicted TTFT (see `ttft`).
 * `cache-fit-scorer` (no parameters): 1 where the prompt fits beside the endpoint's recently
   reused blocks, 0 where it would evict them.
@@ -168,8 +170,11 @@ class PrefixConfig:
         """The config, and the effective parameters (defaults included) for `config show`."""
         p = Parameters(raw)
         auto_tune = p.boolean("autoTune", True)
-        if p.deprecated("blockSize") is not None and "blockSizeTokens" not in (raw or {}):
-            raise PluginConfigError("blockSize: deprecated (characters); set blockSizeTokens instead")
+        # Deprecated (a size in characters) and ignored, as in the reference, where it is an
+        # error only beside a blockSizeTokens <= 0, which is invalid here anyway.
+        block_size = p.deprecated("blockSize")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+            raise PluginConfigError(f"blockSize: must be an integer, got {block_size!r}")
         config = cls(
             auto_tune=auto_tune,
             block_size_tokens=p.integer("blockSizeTokens", 16, at_least=1),
@@ -213,8 +218,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
     Reference parameters: `autoTune` (true: block size from the first candidate's engine
     block size, LRU capacity from each endpoint's KV block count), `blockSizeTokens` (16),
     `maxPrefixBlocksToMatch` (256), `maxPrefixTokensToMatch` (overrides it when > 0),
-    `lruCapacityPerServer` (31250); `blockSize` (deprecated) is an error without
-    `blockSizeTokens`. The picker's own:
+    `lruCapacityPerServer` (31250); `blockSize` (deprecated, in characters) is ignored. The
+    picker's own:
 
     - `tokenizers`: model (or LoRA adapter) name → `builtin` or a local tokenizer directory;
       the key `*` applies to every other model. Those models hash token blocks.
@@ -431,12 +436,23 @@ def _forget(index: PrefixIndex, ttft: TtftModel, departed: set[str]) -> None:
     PREFIX_INDEXER_SIZE.set(len(index))
 
 
-class PrefixCacheScorer(ParameterlessScorer):
-    """`prefix-cache-scorer`: matched blocks / prompt blocks from the producer; 0 without it."""
+class PrefixCacheScorer(Scorer):
+    """`prefix-cache-scorer`: matched blocks / prompt blocks from the producer; 0 without it.
+
+    It takes the producer's parameters and uses none itself: they configure the producer the
+    loader adds for it (none configured), else they are unused, both as in the reference.
+    """
 
     plugin_type = "prefix-cache-scorer"
     category = ScorerCategory.AFFINITY
     consumes = frozenset({PREFIX_MATCH_KEY})
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PrefixCacheScorer:
+        PrefixConfig.parse(parameters)  # the producer's: validated here, so errors name this plugin
+        scorer = cls(name)
+        scorer.parameters = dict(parameters or {})  # as given: the producer shows their effect
+        return scorer
 
     def score(
         self,

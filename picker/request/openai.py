@@ -50,6 +50,11 @@ _TOKEN_ID = f"a token id (an integer in 0..{_MAX_TOKEN_ID})"
 _PROMPT_TYPES = "a string, an array of strings, an array of token ids or an array of token-id arrays"
 
 
+def request_path(headers: Mapping[str, str]) -> str:
+    """The request's path: Envoy's `:path`, else what a proxy in front recorded."""
+    return headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") or ""
+
+
 @lru_cache(maxsize=1024)  # few distinct paths, one lookup per request
 def api_for_path(path: str) -> Api:
     """The API a request path targets, by suffix (query string ignored); unknown → completions."""
@@ -81,8 +86,7 @@ def parse_request(
     if not isinstance(model, str) or not model:
         raise bad_request("model not found in request body: 'model' must be a non-empty string", "model")
 
-    path = headers.get(":path") or headers.get("x-original-path") or headers.get("x-forwarded-path") or ""
-    api = api_for_path(path)
+    api = api_for_path(request_path(headers))
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[Message, ...] | None = None

@@ -180,10 +180,19 @@ STREAM_ERRORS = Counter("picker_extproc_stream_errors", "ext_proc streams that e
 
 # -- config (picker/config) -------------------------------------------------------------------
 CONFIG_RELOADS = Counter(
-    "picker_config_reloads", "EndpointPickerConfig reloads from a watched file, by result.", ("result",)
+    "picker_config_reloads",
+    "EndpointPickerConfig reloads from a watched file or ConfigMap, by result.",
+    ("result",),
 )
 CONFIG_LAST_RELOAD = Gauge(
-    "picker_config_last_reload_success_timestamp_seconds", "Unix time of the last successful config load."
+    "picker_config_last_reload_success_timestamp_seconds",
+    "Unix time the config in force was loaded (its last successful load).",
+)
+CONFIG_INFO = Gauge(
+    "picker_config_info",
+    "1 for the EndpointPickerConfig in force: the first 16 hex digits of its text's sha256 and where it came "
+    "from (a file, --config-text, ConfigMap ns/name, or default); GET /config on this port shows it whole.",
+    ("hash", "source"),
 )
 
 # -- data layer: scraping model-server /metrics (picker/datalayer) ---------------------------

@@ -267,7 +267,6 @@ flowControl:
             HEADER + "saturationDetector: {plugin: x}\n",
             [
                 "saturationDetector.plugin: unknown field",
-                "saturationDetector.pluginRef: is required",
             ],
         ),
         (
@@ -306,12 +305,6 @@ def test_decoding_errors_name_their_place(text: str, expected: list[str]) -> Non
             ['schedulingProfiles[0].plugins[1].pluginRef: no plugin named "x"'],
         ),
         (
-            "plugins: [{type: queue-scorer}, {type: openai-parser}]\nschedulingProfiles: [{name: a, plugins: [{pluginRef: openai-parser}]}]\n",
-            [
-                'schedulingProfiles[0].plugins[0].pluginRef: plugin "openai-parser" (type "openai-parser") is not a filter, scorer or picker'
-            ],
-        ),
-        (
             "plugins: [{type: random-picker}, {type: max-score-picker}]\n"
             "schedulingProfiles: [{name: a, plugins: [{pluginRef: random-picker}, {pluginRef: max-score-picker}]}]\n",
             ['schedulingProfiles[0]: more than one picker ("random-picker", "max-score-picker")'],
@@ -321,8 +314,13 @@ def test_decoding_errors_name_their_place(text: str, expected: list[str]) -> Non
             " {name: a, plugins: [{pluginRef: queue-scorer}]}]\n",
             [
                 'schedulingProfiles[1].name: duplicate profile name "a"',
-                "schedulingProfiles: single-profile-handler needs exactly one profile, found 2",
+                "plugins: 2 scheduling profiles need a profile handler; none is configured",
             ],
+        ),
+        (
+            "plugins: [{type: single-profile-handler}, {type: queue-scorer}]\n"
+            "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer}]}, {name: b}]\n",
+            ["schedulingProfiles: single-profile-handler needs exactly one profile, found 2"],
         ),
         (
             "plugins: [{type: single-profile-handler}, {name: other, type: single-profile-handler}]\n",
@@ -347,7 +345,10 @@ def test_decoding_errors_name_their_place(text: str, expected: list[str]) -> Non
         ),
         (
             "plugins: [{name: max-score-picker, type: queue-scorer}]\n",
-            ['plugins: cannot add default plugin "max-score-picker": its name is taken'],
+            [
+                'plugins[0].name: cannot add the default plugin "max-score-picker": '
+                'a plugin of type "queue-scorer" has its name'
+            ],
         ),
     ],
 )

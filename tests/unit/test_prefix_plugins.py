@@ -126,8 +126,11 @@ def test_a_routed_prompt_scores_one_at_its_endpoint_and_zero_elsewhere() -> None
 
 def test_parameters_follow_the_reference() -> None:
     handle = Handle(_store())
-    with pytest.raises(PluginConfigError, match="blockSize"):
-        _producer(handle, blockSize=64)
+    legacy = _producer(handle, blockSize=64, autoTune=False)  # deprecated and ignored, as the reference does
+    assert legacy.config.sizing(_store().snapshot()).char_block_tokens == 16
+    assert "blockSize" not in legacy.parameters
+    with pytest.raises(PluginConfigError, match="blockSize: must be an integer"):
+        _producer(handle, blockSize="64")
     with pytest.raises(PluginConfigError, match="noSuchThing"):
         _producer(handle, noSuchThing=1)
     with pytest.raises(PluginConfigError, match="tokenizers.m"):
@@ -141,8 +144,11 @@ def test_parameters_follow_the_reference() -> None:
     )
     sizing = producer.config.sizing(_store().snapshot())
     assert (sizing.char_block_tokens, sizing.max_char_blocks) == (8, 10)
-    with pytest.raises(PluginConfigError):
-        PLUGINS.lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 16}, handle)  # type: ignore[union-attr]
+    # The scorer takes the producer's parameters (it passes them on) and checks them as such.
+    scorer = PLUGINS.lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 5}, handle)  # type: ignore[union-attr]
+    assert scorer.parameters == {"blockSizeTokens": 5}
+    with pytest.raises(PluginConfigError, match="blockSizeTokens: must be >= 1"):
+        PLUGINS.lookup("prefix-cache-scorer").factory("prefix-cache-scorer", {"blockSizeTokens": 0}, handle)  # type: ignore[union-attr]
 
 
 def test_auto_tune_takes_block_size_and_capacity_from_engine_metrics() -> None:
