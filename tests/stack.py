@@ -30,7 +30,7 @@ def loopback_addresses(n: int) -> list[str]:
 def health_status(port: int, service: str = "", host: str = "127.0.0.1") -> int:
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 def serving(port: int) -> bool:

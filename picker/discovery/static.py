@@ -83,7 +83,8 @@ def parse_endpoint_file(text: str) -> list[Endpoint]:
 
 
 class EndpointFile:
-    """Keeps the datastore equal to an endpoints file; a bad edit is logged and the old list kept."""
+    """Keeps the datastore equal to an endpoints file; a bad edit is logged and the old list kept,
+    and an empty read (the file truncated for a rewrite) changes nothing."""
 
     def __init__(self, datastore: Datastore, path: str | Path, interval: float = 0.5) -> None:
         self.datastore = datastore
@@ -97,6 +98,8 @@ class EndpointFile:
         self._apply(self.path.read_bytes(), initial=True)
 
     def _apply(self, raw: bytes, initial: bool = False) -> None:
+        if not raw.strip() and not initial:
+            return  # a write in progress (editors and `>` truncate first); `[]` says no endpoints
         digest = hashlib.sha256(raw).digest()
         if digest == self._digest:
             return
