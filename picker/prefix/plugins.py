@@ -117,13 +117,17 @@ class PrefixMatch:
 
     def cached_tokens(self, address: str) -> int:
         """Prompt tokens expected cached at `address`, load bound or not (the engine still has
-        them). For token blocks as the engine counts them: full blocks only, and never the
-        prompt's last token (vLLM always computes at least one); for characters an estimate."""
+        them), at most `cached_tokens_limit()`."""
+        return min(self.cached_tokens_limit(), self.matched.get(address, 0) * self.blocks.block_tokens)
+
+    def cached_tokens_limit(self) -> int:
+        """The most prompt tokens an engine can have cached: for token blocks as the engine
+        counts them, full blocks and never the prompt's last token (vLLM always computes at
+        least one); for characters the prompt's estimated tokens."""
         blocks = self.blocks
-        matched = self.matched.get(address, 0)
         if blocks.kind == TOKENS:
-            return min(matched, max(0, blocks.prompt_tokens - 1) // blocks.block_tokens) * blocks.block_tokens
-        return min(blocks.prompt_tokens, matched * blocks.block_tokens)
+            return max(0, blocks.prompt_tokens - 1) // blocks.block_tokens * blocks.block_tokens
+        return blocks.prompt_tokens
 
     def score(self, address: str) -> float:
         total = self.total_blocks
@@ -131,6 +135,21 @@ class PrefixMatch:
 
 
 PREFIX_MATCH_KEY = StateKey("PrefixCacheMatchInfo", PrefixMatch)
+
+
+def expected_cached_tokens(match: PrefixMatch, cycle_state: CycleState, addresses: Sequence[str]) -> list[int]:
+    """Prompt tokens each endpoint is expected to have cached: what the engines reported (the
+    precise index) when a producer put that in `cycle_state`, else the approximate index's
+    guess. One source for the TTFT prediction and the backlog the pick adds: a backlog counted
+    from another estimate than the one the pick was made on let a pod whose cache the two
+    disagreed on look idle and draw every request."""
+    engine_cached = cycle_state.read(ENGINE_CACHED_TOKENS_KEY)
+    if engine_cached is None:
+        return [match.cached_tokens(a) for a in addresses]
+    limit = match.cached_tokens_limit()
+    return [min(engine_cached.get(a, 0), limit) for a in addresses]
+
+
 PROMPT_BLOCKS_KEY = StateKey("PromptBlocks", PromptBlocks)
 # Set once prepare_async has hashed the prompt (blocks or none), so prepare does not hash again.
 _HASHED_KEY = StateKey("approx-prefix-cache-producer/hashed", bool)
@@ -338,7 +357,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             request.tenant or "",
             "true" if match.matched else "false",
         ).inc()
-        expected = match.cached_tokens(target.address)
+        (expected,) = expected_cached_tokens(match, result.cycle_state, [target.address])
         if blocks.prompt_tokens:
             PREFIX_EXPECTED_HIT_RATIO.labels(request.target_model, target.address).observe(
                 expected / blocks.prompt_tokens
@@ -541,13 +560,9 @@ class TtftCostScorer(Scorer):
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
         match = cycle_state.read(PREFIX_MATCH_KEY)
-        engine_cached = cycle_state.read(ENGINE_CACHED_TOKENS_KEY)
         if match is not None:
             prompt_tokens = match.blocks.prompt_tokens
-            if engine_cached is not None:
-                cached = [engine_cached.get(c.address, 0) for c in candidates]
-            else:
-                cached = [match.cached_tokens(c.address) for c in candidates]
+            cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
         else:
             prompt_tokens = request.estimated_prompt_tokens()
             cached = [0] * len(candidates)

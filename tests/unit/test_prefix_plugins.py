@@ -484,6 +484,29 @@ def test_the_ttft_model_trusts_engine_reported_cache_over_the_approximate_guess(
     assert scores[other] == 1.0 and scores[guessed] < 1.0
 
 
+def test_a_pick_adds_to_the_backlog_what_the_prediction_counted_uncached() -> None:
+    """The backlog a pick adds uses the same cached-token estimate as the TTFT prediction: when
+    the engines report the approximate index's holder evicted the prefix, the whole prompt
+    queues there (counting the guess instead made that pod look idle and draw every request)."""
+    store = _store(ADDRESSES[:2])
+    model = TtftModel(clock=lambda: 0.0)  # no time passes: nothing drains
+    handle = Handle(store)
+    handle.persistent(TTFT_MODEL_KEY, lambda: model)
+    producer = _producer(handle, tokenizers={"m": "builtin"})
+    scheduler = _scheduler(producer)
+    first = _completion("b1", PROMPT)
+    producer.pre_request(first, scheduler.schedule(first, store.snapshot()))
+    request = _completion("b2", PROMPT + "and more")
+    result = scheduler.schedule(request, store.snapshot())
+    target = result.targets[0].address  # the approximate index's holder of the prefix
+    state = result.cycle_state
+    prompt = state[PROMPT_BLOCKS_KEY].prompt_tokens
+    before = model.backlog(target)
+    state[ENGINE_CACHED_TOKENS_KEY] = {target: 0}  # its engine reports the prefix evicted
+    producer.pre_request(request, result)
+    assert model.backlog(target) - before == prompt
+
+
 def test_the_decision_log_explains_predicted_and_observed_ttft() -> None:
     store = _store(ADDRESSES[:2])
     producer = _producer(Handle(store), tokenizers={"m": "builtin"})
