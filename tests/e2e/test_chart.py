@@ -257,8 +257,7 @@ def test_default_deployment_matches_the_reference_shape(helm_binary, helm_env, t
         "v": "2",
         "zap-encoder": "json",
         "secure-serving": "true",
-        "tracing": "false",
-        "metrics-endpoint-auth": "true",
+        "tracing": "false",  # metrics auth is on by default; only =false is passed, as the reference
         "shutdown-delay": "5s",
         "shutdown-grace": "120s",
     }
