@@ -1,6 +1,7 @@
 # The picker image: `picker serve` as a non-root user, fit for a read-only root filesystem.
-#   docker build -t picker .            (with the tokenizer extra, for token-exact prefix hashing)
-#   docker build --build-arg EXTRAS= .  (without it: smaller, character-block prefix hashing)
+# `make image` builds it as ghcr.io/picker-inference/picker:<charts/picker appVersion>, the image
+# the chart runs (docker or podman), with the tokenizer extra for token-exact prefix hashing;
+# `--build-arg EXTRAS=` leaves that out (smaller, character-block prefix hashing).
 FROM python:3.11-slim-bookworm AS build
 ARG EXTRAS=tokenizers
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -12,6 +13,10 @@ RUN python -m venv /opt/picker \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 
 FROM python:3.11-slim-bookworm
+# The picker version (make image passes the chart's appVersion, which is pyproject's version).
+ARG VERSION
+LABEL org.opencontainers.image.title=picker \
+      org.opencontainers.image.version=$VERSION
 COPY --from=build /opt/picker /opt/picker
 # The root filesystem is read-only in the chart: no .pyc writes, caches under /tmp (an emptyDir).
 ENV PATH=/opt/picker/bin:$PATH \

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install test check demo bench clean
+.PHONY: install test check demo bench image clean
 
 install: $(STAMP)
 
@@ -48,6 +48,21 @@ bench: install
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload conversation --duration 60 --out bench-out/conversation
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload data/mooncake-synthetic-trace.jsonl \
 	  --pods 8 --num-gpu-blocks 26700 --time-scale 4 --speed 4 --out bench-out/mooncake
+
+# The picker image, as charts/picker runs it: repository as in its values.yaml, tag its
+# appVersion (tests/unit/test_image.py keeps them in agreement). docker or podman builds it.
+IMAGE_REPOSITORY := ghcr.io/picker-inference/picker
+IMAGE_TAG := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' charts/picker/Chart.yaml)
+IMAGE := $(IMAGE_REPOSITORY):$(IMAGE_TAG)
+CONTAINER_ENGINE ?= $(shell command -v docker || command -v podman)
+
+image:
+	@if [ -z "$(CONTAINER_ENGINE)" ]; then \
+	  echo "make image: neither docker nor podman is installed; install one (or set CONTAINER_ENGINE) and run it again" >&2; exit 1; fi
+	@$(CONTAINER_ENGINE) info >/dev/null 2>&1 || { \
+	  echo "make image: $(CONTAINER_ENGINE) is installed but cannot reach its engine (is the daemon running?)" >&2; exit 1; }
+	$(CONTAINER_ENGINE) build --build-arg VERSION=$(IMAGE_TAG) -t $(IMAGE) .
+	@echo "built $(IMAGE); on kind: kind load docker-image $(IMAGE)"
 
 clean:
 	rm -rf $(VENV) bench-out .pytest_cache

@@ -33,11 +33,14 @@ from picker.telemetry import logging as logs
 from picker.telemetry import metrics
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.health import EXT_PROC_SERVICE, HealthServicer
-from picker.telemetry.http import metrics_app, start_metrics_server
+from picker.telemetry.http import AccessReviewer, metrics_app, start_metrics_server
 from picker.telemetry.logging import DEFAULT_VERBOSITY, LogSettings
 
 if TYPE_CHECKING:
+    from kubernetes import client as kube_client
+
     from picker.discovery.kubernetes import KubernetesDiscovery
+    from picker.discovery.lease import LeaderElector
 
 log = logging.getLogger("picker")
 
@@ -93,8 +96,6 @@ def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool | No
 # accepted; asking for one explicitly refuses the start until its implementation plugs into
 # `PickerServer.features` and removes its entry here.
 NOT_IMPLEMENTED = {
-    "ha_enable_leader_election": "leader election (a coordination.k8s.io Lease) is not implemented yet",
-    "metrics_endpoint_auth": "authentication and authorization of /metrics are not implemented yet",
     "tracing": "OpenTelemetry tracing is not implemented yet",
     "enable_pprof": "the profiling endpoint is not implemented yet",
 }
@@ -136,13 +137,21 @@ def reference_features(args: argparse.Namespace) -> tuple[ReferenceFeatures, lis
     of a feature not implemented yet."""
     values: dict[str, bool] = {}
     pending: list[str] = []
+    uses_kubernetes = bool(args.pool_name or args.endpoint_selector)
     for dest, default in REFERENCE_DEFAULTS.items():
         given = getattr(args, dest)
         if given and dest in NOT_IMPLEMENTED:
             raise FlagError(f"{_flag_name(dest)}: {NOT_IMPLEMENTED[dest]} (issue 15); set it to false or leave it out")
+        if given is None and dest == "metrics_endpoint_auth" and not uses_kubernetes:
+            default = False  # no API server to review tokens with: static endpoints serve metrics openly
         values[dest] = default if given is None else given
         if given is None and default and dest in NOT_IMPLEMENTED:
             pending.append(_flag_name(dest))
+    if values["ha_enable_leader_election"] and not uses_kubernetes:
+        raise FlagError(
+            "--ha-enable-leader-election: the Lease lives in the Kubernetes API; "
+            "it needs --pool-name or --endpoint-selector"
+        )
     features = ReferenceFeatures(
         leader_election=values["ha_enable_leader_election"],
         metrics_endpoint_auth=values["metrics_endpoint_auth"],
@@ -275,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ha-enable-leader-election",
         None,
         "Enables leader election for high availability. When enabled, "
-        "readiness probes will only pass on the leader. Not implemented yet (issue 15): =true refuses to start.",
+        "readiness probes will only pass on the leader. The Lease is "
+        "epp-<pool-namespace>-<pool-name>.gateway-api-inference-extension.sigs.k8s.io (15s duration); followers keep "
+        "their endpoints synced and still answer ext_proc streams sent to them.",
     )
     src = p.add_argument_group("endpoints")
     src.add_argument("--pool-name", help="Name of the InferencePool this Endpoint Picker is associated with.")
@@ -392,9 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
         sec,
         "--metrics-endpoint-auth",
         None,
-        "Enables authentication and authorization of the metrics endpoint. "
-        "The reference default is true; the picker does not implement it yet (issue 15's auth work): left out, "
-        "/metrics is served without authentication; =true refuses to start.",
+        "Enables authentication and authorization of the metrics endpoint: "
+        "a bearer token reviewed by the API server (TokenReview; else 401) whose user may get the path "
+        "(SubjectAccessReview on the nonResourceURL, e.g. /metrics; else 403), on every path of the metrics port. "
+        "(default true with --pool-name or --endpoint-selector; false with static endpoints)",
     )
     obs = p.add_argument_group("logging and diagnostics")
     _add_logging_flags(obs)
@@ -462,6 +474,13 @@ class PickerServer:
         self.health_server: grpc.aio.Server | None = None
         self.ext_proc_health: health.aio.HealthServicer | None = None  # --health-checking
         self.metrics_runner: web.AppRunner | None = None
+        self.kube_api: kube_client.ApiClient | None = None  # leader election and metrics auth
+        self.leader_elector: LeaderElector | None = None
+        self.lease_name: str | None = None
+        if self.features.leader_election:
+            from picker.discovery.lease import elected_name, lease_name
+
+            self.lease_name = lease_name(args.pool_namespace, elected_name(args.pool_name, os.environ.get("POD_NAME")))
 
     async def _start_discovery(self) -> None:
         """Endpoints from the flags, a file, or the Kubernetes API (pool or label selector)."""
@@ -550,12 +569,51 @@ class PickerServer:
     async def _start_health_server(self) -> None:
         """Health first, so liveness answers while the start waits (e.g. for its ConfigMap)."""
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        # is_leader: None until leader election (self.features.leader_election) is implemented.
-        health_pb2_grpc.add_HealthServicer_to_server(
-            HealthServicer(lambda: self.started and self.datastore.synced, lambda: self.draining), self.health_server
+        servicer = HealthServicer(
+            lambda: self.started and self.datastore.synced,
+            lambda: self.draining,
+            self._is_leader if self.features.leader_election else None,
         )
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, self.health_server)
         self.health_server.add_insecure_port(f"{self.args.bind_address}:{self.args.grpc_health_port}")
         await self.health_server.start()
+
+    def _is_leader(self) -> bool:
+        return self.leader_elector is not None and self.leader_elector.is_leader()
+
+    async def _kube_client(self) -> kube_client.ApiClient:
+        """The API client for leader election and metrics auth (credentials as discovery's)."""
+        from picker.discovery.kubernetes import KubeCredentialsError, api_client
+
+        if self.kube_api is None:
+            try:
+                self.kube_api = await asyncio.to_thread(api_client, self.args.kubeconfig)
+            except KubeCredentialsError as exc:
+                flags = [flag for flag, on in self._kube_features() if on]
+                raise FlagError(f"{', '.join(flags)}: {exc}") from None
+        return self.kube_api
+
+    def _kube_features(self) -> list[tuple[str, bool]]:
+        return [
+            ("--ha-enable-leader-election", self.features.leader_election),
+            ("--metrics-endpoint-auth", self.features.metrics_endpoint_auth),
+        ]
+
+    async def _start_leader_election(self) -> None:
+        """Compete for the reference's Lease once everything runs: a replica that cannot start
+        must not hold it."""
+        from picker.discovery.lease import LeaderElector
+
+        assert self.lease_name is not None
+        self.leader_elector = LeaderElector(await self._kube_client(), self.args.pool_namespace, self.lease_name)
+        self.leader_elector.start()
+
+    async def _access_reviewer(self) -> AccessReviewer | None:
+        if not self.features.metrics_endpoint_auth:
+            return None
+        from picker.telemetry.access_review import KubeAccessReviewer
+
+        return KubeAccessReviewer(await self._kube_client())
 
     async def start(self) -> None:
         args = self.args
@@ -586,10 +644,12 @@ class PickerServer:
             self.grpc_server.add_insecure_port(address)
         decisions = self.decisions.entries if self.decisions is not None else None
         self.metrics_runner = await start_metrics_server(
-            metrics_app(decisions, self.runtimes.describe), bind, args.metrics_port
+            metrics_app(decisions, self.runtimes.describe, await self._access_reviewer()), bind, args.metrics_port
         )
         await self.grpc_server.start()
         self.started = True
+        if self.features.leader_election:
+            await self._start_leader_election()
         metrics.INFO.labels(commit="", build_ref=importlib.metadata.version("picker")).set(1)
         log.info(
             "picker serving ext_proc on %s (%s), health on %s, metrics on %s; %d endpoints",
@@ -608,6 +668,7 @@ class PickerServer:
     async def drain(self) -> None:
         """Report NOT_SERVING, keep serving for `--shutdown-delay`, then stop (see `stop`)."""
         self.draining = True
+        await self._stop_leader_election()  # a standby takes over while this replica drains
         if self.ext_proc_health is not None:
             await self.ext_proc_health.enter_graceful_shutdown()
         if self.args.shutdown_delay > 0:
@@ -615,7 +676,13 @@ class PickerServer:
             await asyncio.sleep(self.args.shutdown_delay)
         await self.stop()
 
+    async def _stop_leader_election(self) -> None:
+        if self.leader_elector is not None:
+            await self.leader_elector.stop()
+            self.leader_elector = None
+
     async def stop(self) -> None:
+        await self._stop_leader_election()
         if self.config_watch is not None:
             self.config_watch.cancel()
             await asyncio.gather(self.config_watch, return_exceptions=True)
@@ -630,6 +697,8 @@ class PickerServer:
                 await server.stop(grace=self.args.shutdown_grace)
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
+        if self.kube_api is not None:
+            await asyncio.to_thread(self.kube_api.close)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -147,9 +147,15 @@ def service_account_kubeconfig(
     api: client.ApiClient, cluster: KubeCluster, namespace: str, name: str, path: Path
 ) -> Path:
     """A kubeconfig holding a TokenRequest token for ServiceAccount namespace/name."""
-    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
-    token = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request).status.token
+    token = service_account_token(api, namespace, name)
     path.write_text(
         kubeconfig(cluster.server, cluster.ca_file, token, f"system:serviceaccount:{namespace}:{name}", namespace)
     )
     return path
+
+
+def service_account_token(api: client.ApiClient, namespace: str, name: str) -> str:
+    """A TokenRequest token (one hour) for ServiceAccount namespace/name."""
+    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
+    token: str = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request).status.token
+    return token

@@ -69,6 +69,8 @@ def serve_args(release: dict[str, str]) -> list[str]:
         release["kubeconfig"],
         "--config-map",
         release["config_map"],
+        # These tests read /metrics and /config without a token (test_kube_metrics_auth.py covers auth).
+        "--metrics-endpoint-auth=false",
     ]
 
 

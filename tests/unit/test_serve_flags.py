@@ -74,7 +74,11 @@ def server(*argv: str) -> PickerServer:
 Outcome = tuple[list[str], Callable[[PickerServer], Any], Any] | tuple[list[str], str]
 TABLE: dict[str, Outcome] = {
     "grpc-port": (["--grpc-port", "9102"], lambda s: s.args.grpc_port, 9102),
-    "ha-enable-leader-election": (["--ha-enable-leader-election"], REFUSED),
+    "ha-enable-leader-election": (
+        ["--pool-name", "pool", "--pool-namespace", "ns", "--ha-enable-leader-election"],
+        lambda s: (s.features.leader_election, s.lease_name),
+        (True, "epp-ns-pool.gateway-api-inference-extension.sigs.k8s.io"),  # the reference's Lease
+    ),
     "pool-group": (
         ["--pool-group", "inference.networking.x-k8s.io"],
         lambda s: s.args.pool_group,
@@ -143,7 +147,7 @@ TABLE: dict[str, Outcome] = {
     "cert-path": (["--cert-path", "/certs"], lambda s: s.args.cert_path, "/certs"),
     "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.args.enable_cert_reload, True),
     "secure-serving": (["--secure-serving=false"], lambda s: s.args.secure_serving, False),
-    "metrics-endpoint-auth": (["--metrics-endpoint-auth=true"], REFUSED),
+    "metrics-endpoint-auth": (["--metrics-endpoint-auth=true"], lambda s: s.features.metrics_endpoint_auth, True),
     "config-file": (["--config-file", "/config/epp.yaml"], lambda s: s.args.config_file, "/config/epp.yaml"),
     "config-text": (
         ["--config-text", "kind: EndpointPickerConfig"],
@@ -184,11 +188,14 @@ def test_each_reference_flag_is_honoured_or_refused_naming_it(flag: str) -> None
 
 def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> None:
     """--metrics-endpoint-auth, --tracing and --enable-pprof default to true in the reference:
-    left out they do not fail the start (they are listed as not honoured yet); =false is
-    honoured; leader election defaults to off."""
+    left out they do not fail the start (those not honoured yet are listed); =false is
+    honoured; leader election defaults to off. Metrics auth is on by default where there is an
+    API server to review tokens with (the pool or a selector), off with static endpoints."""
     s = server()
-    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=True, tracing=True, pprof=True)
-    assert s.pending_features == ["--metrics-endpoint-auth", "--tracing", "--enable-pprof"]
+    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=False, tracing=True, pprof=True)
+    assert s.pending_features == ["--tracing", "--enable-pprof"]
+    assert server("--pool-name", "pool").features.metrics_endpoint_auth is True
+    assert server("--endpoint-selector", "app=vllm").features.metrics_endpoint_auth is True
     off = server("--metrics-endpoint-auth=false", "--tracing=false", "--enable-pprof=false")
     assert off.features == ReferenceFeatures(False, False, False, False)
     assert off.pending_features == []
@@ -213,6 +220,19 @@ def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> No
 def test_bad_values_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(FlagError, match=message):
         build_parser().parse_args([*BASE, *argv])
+
+
+def test_leader_election_needs_a_lease_to_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lease is named after the pool or, with a selector, the Deployment ($POD_NAME, as the
+    reference); static endpoints have no API server to hold it."""
+    with pytest.raises(FlagError, match="^--ha-enable-leader-election: .*--pool-name or --endpoint-selector"):
+        server("--ha-enable-leader-election")
+    monkeypatch.delenv("POD_NAME", raising=False)
+    with pytest.raises(ValueError, match="^--ha-enable-leader-election: .*POD_NAME"):
+        server("--endpoint-selector", "app=vllm", "--pool-namespace", "ns", "--ha-enable-leader-election")
+    monkeypatch.setenv("POD_NAME", "vllm-epp-5d8f7c9b4-x2x7q")
+    elected = server("--endpoint-selector", "app=vllm", "--pool-namespace", "ns", "--ha-enable-leader-election")
+    assert elected.lease_name == "epp-ns-vllm-epp.gateway-api-inference-extension.sigs.k8s.io"
 
 
 def test_model_server_metrics_path_and_port_are_checked() -> None:

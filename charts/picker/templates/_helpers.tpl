@@ -8,20 +8,56 @@
 {{- printf "%s-epp" (include "picker.poolName" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The Deployment's selector: the reference chart's own, so that `helm upgrade` can swap a
+reference release for picker in place (a Deployment's selector cannot change). */}}
 {{- define "picker.selectorLabels" -}}
+{{- if .Values.inferencePool.standalone -}}
+epp: {{ include "picker.name" . }}
+{{- else -}}
+inferencepool: {{ include "picker.name" . }}
+{{- end -}}
+{{- end -}}
+
+{{/* The picker's pods: the selector, the reference's mode label and picker's own. */}}
+{{- define "picker.podLabels" -}}
+{{ include "picker.selectorLabels" . }}
+inference.networking.k8s.io/igw-mode: {{ ternary "standalone" "inferencepool" .Values.inferencePool.standalone }}
 app.kubernetes.io/name: picker
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "picker.labels" -}}
+app.kubernetes.io/name: picker
+app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "picker.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* The image `make image` builds: the defaults of values.yaml, repeated here because a
+reference EPP image in the values is replaced by it (tests/unit/test_image.py keeps the two and
+the Makefile in agreement). */}}
+{{- define "picker.defaultImage" -}}
+{{- dict "registry" "ghcr.io" "repository" "picker-inference/picker" "tag" "" "pullPolicy" "IfNotPresent" | toJson -}}
+{{- end -}}
+
+{{/* True when the values name the reference EPP's image, which cannot run `picker serve`. */}}
+{{- define "picker.isReferenceImage" -}}
+{{- if hasSuffix "gateway-api-inference-extension/epp" .Values.inferenceExtension.image.repository }}true{{ end -}}
+{{- end -}}
+
+{{/* The image in use, as JSON: the values' image, or the default one in place of the reference's. */}}
+{{- define "picker.imageValues" -}}
+{{- if include "picker.isReferenceImage" . -}}
+{{- include "picker.defaultImage" . -}}
+{{- else -}}
+{{- .Values.inferenceExtension.image | toJson -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "picker.image" -}}
-{{- $image := .Values.inferenceExtension.image -}}
+{{- $image := include "picker.imageValues" . | fromJson -}}
 {{- printf "%s/%s:%s" $image.registry $image.repository (default .Chart.AppVersion $image.tag) -}}
 {{- end -}}
 
@@ -47,14 +83,43 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- join "," $ports -}}
 {{- end -}}
 
-{{/* The EndpointPickerConfig used when pluginsConfigFile is default-plugins.yaml. */}}
+{{/* The metrics path for the default config: trtllm-serve serves /prometheus/metrics, so the
+default /metrics means that path for it (the reference chart meant the same with a flag its own
+config then overrode). */}}
+{{- define "picker.metricsPath" -}}
+{{- $path := .Values.inferenceExtension.metricsDataSource.path | default "/metrics" -}}
+{{- if and (eq .Values.inferencePool.modelServerType "trtllm-serve") (eq $path "/metrics") -}}
+/prometheus/metrics
+{{- else -}}
+{{- $path -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The EndpointPickerConfig used when pluginsConfigFile is default-plugins.yaml: the reference
+chart's default-plugins.yaml (v1.5.0), data layer and parser included. */}}
 {{- define "picker.defaultPlugins" -}}
+{{- $source := .Values.inferenceExtension.metricsDataSource -}}
+{{- $engine := .Values.inferencePool.modelServerType | default "vllm" -}}
+{{- $parser := .Values.inferencePool.parser -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+- type: metrics-data-source
+  parameters:
+    scheme: {{ $source.scheme | default "http" | quote }}
+    path: {{ include "picker.metricsPath" . | quote }}
+    insecureSkipVerify: {{ ternary true $source.insecureSkipVerify (kindIs "invalid" $source.insecureSkipVerify) }}
+- type: core-metrics-extractor
+  {{- if ne $engine "vllm" }}
+  parameters:
+    defaultEngine: {{ $engine | quote }}
+  {{- end }}
+{{- with $parser }}
+- type: {{ . }}
+{{- end }}
 schedulingProfiles:
 - name: default
   plugins:
@@ -64,4 +129,47 @@ schedulingProfiles:
     weight: 2
   - pluginRef: prefix-cache-scorer
     weight: 3
+{{- with $parser }}
+parser:
+  pluginRef: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* A flag value as text: whole numbers without an exponent (values from YAML are floats). */}}
+{{- define "picker.flagValue" -}}
+{{- if and (kindIs "float64" .) (eq . (float64 (int64 .))) -}}
+{{- int64 . -}}
+{{- else -}}
+{{- . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when a Prometheus monitor is wanted (the reference's prometheus.enabled or picker's
+earlier serviceMonitor.enabled). */}}
+{{- define "picker.monitorEnabled" -}}
+{{- $m := .Values.inferenceExtension.monitoring -}}
+{{- if or $m.prometheus.enabled $m.serviceMonitor.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* Cluster-scoped objects carry the namespace in their name (releases in two namespaces). */}}
+{{- define "picker.clusterName" -}}
+{{- printf "%s-%s-epp" (include "picker.poolName" . | trunc 40) (.Release.Namespace | trunc 40) | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Values picker cannot honour fail the install with the reason, before anything is created. */}}
+{{- define "picker.validate" -}}
+{{- $ie := .Values.inferenceExtension -}}
+{{- $pool := .Values.inferencePool -}}
+{{- if $ie.latencyPredictor.enabled -}}
+{{- fail "inferenceExtension.latencyPredictor.enabled: picker has no latency predictor (the reference's training and prediction sidecars and predicted-latency plugins); its ttft-cost-scorer learns TTFT online instead (manifests/configs/picker-best.yaml). Set it to false." -}}
+{{- end -}}
+{{- if eq ($pool.modelServerProtocol | default "http") "grpc" -}}
+{{- fail "inferencePool.modelServerProtocol grpc: picker parses OpenAI HTTP requests only, not vLLM's gRPC API. Use http." -}}
+{{- end -}}
+{{- if and $pool.targetPortNumber (ne (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
+{{- fail (printf "inferencePool.targetPortNumber (%d, the legacy single port) differs from targetPorts[0] (%d): set targetPorts only" (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
+{{- end -}}
+{{- if and $ie.sidecar.enabled (or (not $ie.sidecar.name) (not $ie.sidecar.image)) -}}
+{{- fail "inferenceExtension.sidecar: name and image are required when enabled" -}}
+{{- end -}}
 {{- end -}}

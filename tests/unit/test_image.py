@@ -1,0 +1,99 @@
+"""The image the chart runs is the one `make image` builds: repository from the chart's values,
+tag the chart's appVersion (= the package version), built by docker or podman from the
+Dockerfile, with a clear message when neither can build.
+
+No container engine runs on the test machines, so a stand-in `docker` script records how
+`make image` calls it; the real Makefile, make and sh run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.charts import chart_image
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "picker"
+
+
+def stand_in_engine(directory: Path, name: str, info_exit: int = 0) -> Path:
+    """An executable `name` that appends its arguments to calls.txt (`info` exits `info_exit`)."""
+    directory.mkdir(exist_ok=True)
+    script = directory / name
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {directory / "calls.txt"}\n[ "$1" = info ] && exit {info_exit}\nexit 0\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return directory / "calls.txt"
+
+
+def make_image(path: str) -> subprocess.CompletedProcess[str]:
+    make = shutil.which("make")
+    assert make, "make is needed to run the Makefile"
+    env = {**os.environ, "PATH": path}
+    env.pop("CONTAINER_ENGINE", None)
+    return subprocess.run(
+        [make, "-C", str(ROOT), "image"], env=env, capture_output=True, text=True, check=False, timeout=60
+    )
+
+
+def only_sed(directory: Path) -> Path:
+    """A PATH directory holding only sed (the Makefile reads the tag with it)."""
+    directory.mkdir(exist_ok=True)
+    sed = shutil.which("sed")
+    assert sed
+    (directory / "sed").symlink_to(sed)
+    return directory
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_make_image_builds_the_image_the_chart_runs(engine, tmp_path) -> None:
+    calls = stand_in_engine(tmp_path / "bin", engine)
+    result = make_image(f"{tmp_path / 'bin'}:{only_sed(tmp_path / 'tools')}")
+    assert result.returncode == 0, result.stderr
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert calls.read_text().splitlines() == [
+        "info",
+        f"build --build-arg VERSION={version} -t {chart_image()} .",
+    ]
+    assert f"kind load docker-image {chart_image()}" in result.stdout
+
+
+def test_make_image_without_docker_or_podman_says_so(tmp_path) -> None:
+    result = make_image(str(only_sed(tmp_path / "tools")))
+    assert result.returncode != 0
+    assert "neither docker nor podman is installed" in result.stderr
+
+
+def test_make_image_with_an_engine_that_cannot_build_says_so(tmp_path) -> None:
+    stand_in_engine(tmp_path / "bin", "docker", info_exit=1)
+    result = make_image(f"{tmp_path / 'bin'}:{only_sed(tmp_path / 'tools')}")
+    assert result.returncode != 0
+    assert "cannot reach its engine" in result.stderr
+
+
+def test_tag_chart_and_dockerfile_agree() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    final_stage = (ROOT / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    assert "\nARG VERSION\n" in final_stage
+    assert "org.opencontainers.image.version=$VERSION" in final_stage
+    assert chart_image() in (ROOT / "README.md").read_text()
+
+
+def test_the_charts_stand_in_for_a_reference_image_is_its_default_image() -> None:
+    """A reference EPP image in the values is replaced by picker.defaultImage (_helpers.tpl),
+    which must be values.yaml's image."""
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    (fields,) = re.findall(r'define "picker.defaultImage".*?\n\{\{- dict (.*?) \| toJson', helpers, re.S)
+    words = re.findall(r'"([^"]*)"', fields)
+    default = dict(zip(words[::2], words[1::2]))
+    assert default == yaml.safe_load((CHART / "values.yaml").read_text())["inferenceExtension"]["image"]
