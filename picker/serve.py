@@ -35,6 +35,8 @@ from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.health import EXT_PROC_SERVICE, HealthServicer
 from picker.telemetry.http import metrics_app, start_metrics_server
 from picker.telemetry.logging import DEFAULT_VERBOSITY, LogSettings
+from picker.telemetry.profiling import add_profiling_routes
+from picker.telemetry.tracing import start_tracing
 
 if TYPE_CHECKING:
     from picker.discovery.kubernetes import KubernetesDiscovery
@@ -95,15 +97,13 @@ def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool | No
 NOT_IMPLEMENTED = {
     "ha_enable_leader_election": "leader election (a coordination.k8s.io Lease) is not implemented yet",
     "metrics_endpoint_auth": "authentication and authorization of /metrics are not implemented yet",
-    "tracing": "OpenTelemetry tracing is not implemented yet",
-    "enable_pprof": "the profiling endpoint is not implemented yet",
 }
-# Their reference defaults, used when the flag is not given.
+# Their defaults when the flag is not given: the reference's, but for --enable-pprof (see its help).
 REFERENCE_DEFAULTS = {
     "ha_enable_leader_election": False,
     "metrics_endpoint_auth": True,
-    "tracing": True,
-    "enable_pprof": True,
+    "tracing": True,  # exports only when an OTLP endpoint is configured (telemetry.tracing)
+    "enable_pprof": False,
 }
 # The reference refuses these (deprecated) when set: metrics come from engineConfigs.
 REFUSED_METRIC_FLAGS = {
@@ -123,7 +123,7 @@ class ReferenceFeatures:
     leader_election: bool  # --ha-enable-leader-election: readiness only on the Lease holder
     metrics_endpoint_auth: bool  # --metrics-endpoint-auth: TokenReview + SubjectAccessReview on /metrics
     tracing: bool  # --tracing: OpenTelemetry spans, configured by OTEL_* variables
-    pprof: bool  # --enable-pprof: a profiling endpoint on the metrics port
+    pprof: bool  # --enable-pprof: profiling endpoints on the metrics port (telemetry.profiling)
 
 
 def _flag_name(dest: str) -> str:
@@ -402,15 +402,20 @@ def build_parser() -> argparse.ArgumentParser:
         obs,
         "--tracing",
         None,
-        "Enables emitting traces (reference default true). Not implemented yet (issue 15): "
-        "left out, no spans are emitted; =true refuses to start.",
+        "Enables emitting traces: OpenTelemetry spans per request and plugin, exported over OTLP gRPC, "
+        "configured by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, "
+        "OTEL_TRACES_SAMPLER[_ARG], default parentbased_traceidratio 0.1 as the reference). Left out (the "
+        "reference default true), spans are exported only when an OTLP endpoint or OTEL_TRACES_EXPORTER=otlp is "
+        "set; =true also exports to http://localhost:4317 without them, as the reference. (default true)",
     )
     _bool_flag(
         obs,
         "--enable-pprof",
         None,
-        "Enables profiling handlers (reference default true). Not implemented yet "
-        "(issue 15): left out, there is no profiling endpoint; =true refuses to start.",
+        "Enables profiling handlers on the metrics port: /debug/pprof/profile?seconds=N (a sampling profile of "
+        "all threads, collapsed stacks) and /debug/pprof/goroutine (stacks of all threads and asyncio tasks). "
+        "Defaults to false, unlike the reference (true): they show the process's internals and the metrics port "
+        "is unauthenticated unless --metrics-endpoint-auth protects it. (default false)",
     )
     _bool_flag(obs, "--enable-debug-decisions", False, "serve GET /debug/decisions on the metrics port")
     return p
@@ -447,10 +452,12 @@ class PickerServer:
             pool_name=args.pool_name or "",
         )
         self.runtimes = RuntimeHolder(self.datastore, self.decisions, on_install=self._config_installed)
+        self.tracing = start_tracing(os.environ, self.features.tracing, requested=args.tracing is True)
         self.director = Director(
             self.datastore,
             self.runtimes,
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
+            tracer=self.tracing,
         )
         self.config_watch: asyncio.Task[None] | None = None
         self.started = False  # Ready only once everything runs: the config loaded, the servers up
@@ -585,9 +592,10 @@ class PickerServer:
         else:
             self.grpc_server.add_insecure_port(address)
         decisions = self.decisions.entries if self.decisions is not None else None
-        self.metrics_runner = await start_metrics_server(
-            metrics_app(decisions, self.runtimes.describe), bind, args.metrics_port
-        )
+        app = metrics_app(decisions, self.runtimes.describe)
+        if self.features.pprof:
+            add_profiling_routes(app)
+        self.metrics_runner = await start_metrics_server(app, bind, args.metrics_port)
         await self.grpc_server.start()
         self.started = True
         metrics.INFO.labels(commit="", build_ref=importlib.metadata.version("picker")).set(1)
@@ -630,6 +638,8 @@ class PickerServer:
                 await server.stop(grace=self.args.shutdown_grace)
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
+        if self.tracing is not None:  # last: the spans of the requests that just finished
+            await self.tracing.shutdown()
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -135,11 +135,11 @@ TABLE: dict[str, Outcome] = {
         logging.CRITICAL,
     ),
     "zap-time-encoding": (["--zap-time-encoding", "rfc3339"], lambda s: log_settings(s.args).times, "rfc3339"),
-    "tracing": (["--tracing=true"], REFUSED),
+    "tracing": (["--tracing=false"], lambda s: s.tracing, None),
     "health-checking": (["--health-checking"], lambda s: s.args.health_checking, True),
     "metrics-port": (["--metrics-port", "9191"], lambda s: s.args.metrics_port, 9191),
     "grpc-health-port": (["--grpc-health-port", "9103"], lambda s: s.args.grpc_health_port, 9103),
-    "enable-pprof": (["--enable-pprof"], REFUSED),
+    "enable-pprof": (["--enable-pprof"], lambda s: s.features.pprof, True),
     "cert-path": (["--cert-path", "/certs"], lambda s: s.args.cert_path, "/certs"),
     "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.args.enable_cert_reload, True),
     "secure-serving": (["--secure-serving=false"], lambda s: s.args.secure_serving, False),
@@ -183,12 +183,13 @@ def test_each_reference_flag_is_honoured_or_refused_naming_it(flag: str) -> None
 
 
 def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> None:
-    """--metrics-endpoint-auth, --tracing and --enable-pprof default to true in the reference:
-    left out they do not fail the start (they are listed as not honoured yet); =false is
-    honoured; leader election defaults to off."""
+    """--metrics-endpoint-auth and --tracing default to true in the reference: left out they do
+    not fail the start (the first is listed as not honoured yet; tracing then exports only when
+    an OTLP endpoint is configured); =false is honoured; leader election defaults to off, and
+    --enable-pprof too (unlike the reference: see its help)."""
     s = server()
-    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=True, tracing=True, pprof=True)
-    assert s.pending_features == ["--metrics-endpoint-auth", "--tracing", "--enable-pprof"]
+    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=True, tracing=True, pprof=False)
+    assert s.pending_features == ["--metrics-endpoint-auth"]
     off = server("--metrics-endpoint-auth=false", "--tracing=false", "--enable-pprof=false")
     assert off.features == ReferenceFeatures(False, False, False, False)
     assert off.pending_features == []
