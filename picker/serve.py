@@ -35,6 +35,8 @@ from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.health import EXT_PROC_SERVICE, HealthServicer
 from picker.telemetry.http import AccessReviewer, metrics_app, start_metrics_server
 from picker.telemetry.logging import DEFAULT_VERBOSITY, LogSettings
+from picker.telemetry.profiling import add_profiling_routes
+from picker.telemetry.tracing import start_tracing
 
 if TYPE_CHECKING:
     from kubernetes import client as kube_client
@@ -92,19 +94,13 @@ def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool | No
     parser.add_argument(name, type=parse_bool, nargs="?", const=True, default=default, help=help_)
 
 
-# The reference's flags for features the picker is still adding (issue 15). The default is
-# accepted; asking for one explicitly refuses the start until its implementation plugs into
-# `PickerServer.features` and removes its entry here.
-NOT_IMPLEMENTED = {
-    "tracing": "OpenTelemetry tracing is not implemented yet",
-    "enable_pprof": "the profiling endpoint is not implemented yet",
-}
-# Their reference defaults, used when the flag is not given.
+# The reference's feature flags and their defaults when the flag is not given: the reference's,
+# but for --enable-pprof (see its help).
 REFERENCE_DEFAULTS = {
     "ha_enable_leader_election": False,
     "metrics_endpoint_auth": True,
-    "tracing": True,
-    "enable_pprof": True,
+    "tracing": True,  # exports only when an OTLP endpoint is configured (telemetry.tracing)
+    "enable_pprof": False,
 }
 # The reference refuses these (deprecated) when set: metrics come from engineConfigs.
 REFUSED_METRIC_FLAGS = {
@@ -118,47 +114,38 @@ REFUSED_METRIC_FLAGS = {
 
 @dataclass(frozen=True, slots=True)
 class ReferenceFeatures:
-    """The values of the reference flags whose features issue 15 adds; their implementations
-    read them here (`PickerServer.features`)."""
+    """The values of the reference's feature flags; their implementations read them here (`PickerServer.features`)."""
 
     leader_election: bool  # --ha-enable-leader-election: readiness only on the Lease holder
     metrics_endpoint_auth: bool  # --metrics-endpoint-auth: TokenReview + SubjectAccessReview on /metrics
     tracing: bool  # --tracing: OpenTelemetry spans, configured by OTEL_* variables
-    pprof: bool  # --enable-pprof: a profiling endpoint on the metrics port
+    pprof: bool  # --enable-pprof: profiling endpoints on the metrics port (telemetry.profiling)
 
 
 def _flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def reference_features(args: argparse.Namespace) -> tuple[ReferenceFeatures, list[str]]:
-    """The features' values, and the names of those left at a reference default of true that
-    the picker does not honour yet (logged at start). Raises FlagError for an explicit request
-    of a feature not implemented yet."""
+def reference_features(args: argparse.Namespace) -> ReferenceFeatures:
+    """The features' values. Raises FlagError for leader election without a Kubernetes API."""
     values: dict[str, bool] = {}
-    pending: list[str] = []
     uses_kubernetes = bool(args.pool_name or args.endpoint_selector)
     for dest, default in REFERENCE_DEFAULTS.items():
         given = getattr(args, dest)
-        if given and dest in NOT_IMPLEMENTED:
-            raise FlagError(f"{_flag_name(dest)}: {NOT_IMPLEMENTED[dest]} (issue 15); set it to false or leave it out")
         if given is None and dest == "metrics_endpoint_auth" and not uses_kubernetes:
             default = False  # no API server to review tokens with: static endpoints serve metrics openly
         values[dest] = default if given is None else given
-        if given is None and default and dest in NOT_IMPLEMENTED:
-            pending.append(_flag_name(dest))
     if values["ha_enable_leader_election"] and not uses_kubernetes:
         raise FlagError(
             "--ha-enable-leader-election: the Lease lives in the Kubernetes API; "
             "it needs --pool-name or --endpoint-selector"
         )
-    features = ReferenceFeatures(
+    return ReferenceFeatures(
         leader_election=values["ha_enable_leader_election"],
         metrics_endpoint_auth=values["metrics_endpoint_auth"],
         tracing=values["tracing"],
         pprof=values["enable_pprof"],
     )
-    return features, pending
 
 
 def model_server_scrape(args: argparse.Namespace) -> ScrapeSettings:
@@ -414,15 +401,20 @@ def build_parser() -> argparse.ArgumentParser:
         obs,
         "--tracing",
         None,
-        "Enables emitting traces (reference default true). Not implemented yet (issue 15): "
-        "left out, no spans are emitted; =true refuses to start.",
+        "Enables emitting traces: OpenTelemetry spans per request and plugin, exported over OTLP gRPC, "
+        "configured by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, "
+        "OTEL_TRACES_SAMPLER[_ARG], default parentbased_traceidratio 0.1 as the reference). Left out (the "
+        "reference default true), spans are exported only when an OTLP endpoint or OTEL_TRACES_EXPORTER=otlp is "
+        "set; =true also exports to http://localhost:4317 without them, as the reference. (default true)",
     )
     _bool_flag(
         obs,
         "--enable-pprof",
         None,
-        "Enables profiling handlers (reference default true). Not implemented yet "
-        "(issue 15): left out, there is no profiling endpoint; =true refuses to start.",
+        "Enables profiling handlers on the metrics port: /debug/pprof/profile?seconds=N (a sampling profile of "
+        "all threads, collapsed stacks) and /debug/pprof/goroutine (stacks of all threads and asyncio tasks). "
+        "Defaults to false, unlike the reference (true): they show the process's internals and the metrics port "
+        "is unauthenticated unless --metrics-endpoint-auth protects it. (default false)",
     )
     _bool_flag(obs, "--enable-debug-decisions", False, "serve GET /debug/decisions on the metrics port")
     return p
@@ -447,7 +439,7 @@ class PickerServer:
         """Raises FlagError for a flag the picker cannot honour as given."""
         self.args = args
         check_refused(args)
-        self.features, self.pending_features = reference_features(args)
+        self.features = reference_features(args)
         self.scrape_defaults = model_server_scrape(args)
         self.datastore = Datastore()
         self.decisions = DecisionLog(1000) if args.enable_debug_decisions else None
@@ -459,10 +451,12 @@ class PickerServer:
             pool_name=args.pool_name or "",
         )
         self.runtimes = RuntimeHolder(self.datastore, self.decisions, on_install=self._config_installed)
+        self.tracing = start_tracing(os.environ, self.features.tracing, requested=args.tracing is True)
         self.director = Director(
             self.datastore,
             self.runtimes,
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
+            tracer=self.tracing,
         )
         self.config_watch: asyncio.Task[None] | None = None
         self.started = False  # Ready only once everything runs: the config loaded, the servers up
@@ -643,9 +637,10 @@ class PickerServer:
         else:
             self.grpc_server.add_insecure_port(address)
         decisions = self.decisions.entries if self.decisions is not None else None
-        self.metrics_runner = await start_metrics_server(
-            metrics_app(decisions, self.runtimes.describe, await self._access_reviewer()), bind, args.metrics_port
-        )
+        app = metrics_app(decisions, self.runtimes.describe, await self._access_reviewer())
+        if self.features.pprof:
+            add_profiling_routes(app)
+        self.metrics_runner = await start_metrics_server(app, bind, args.metrics_port)
         await self.grpc_server.start()
         self.started = True
         if self.features.leader_election:
@@ -659,11 +654,6 @@ class PickerServer:
             args.metrics_port,
             len(self.datastore.endpoints()),
         )
-        if self.pending_features:
-            log.info(
-                "reference defaults the picker does not honour yet (issue 15): %s; set them to false to silence this",
-                ", ".join(f"{flag}=true" for flag in self.pending_features),
-            )
 
     async def drain(self) -> None:
         """Report NOT_SERVING, keep serving for `--shutdown-delay`, then stop (see `stop`)."""
@@ -699,6 +689,8 @@ class PickerServer:
             await self.metrics_runner.cleanup()
         if self.kube_api is not None:
             await asyncio.to_thread(self.kube_api.close)
+        if self.tracing is not None:  # last: the spans of the requests that just finished
+            await self.tracing.shutdown()
 
 
 async def run(args: argparse.Namespace) -> int:

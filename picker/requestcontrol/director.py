@@ -28,7 +28,7 @@ from picker.framework.plugin import SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage
-from picker.telemetry import metrics
+from picker.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def prepare(
         except Exception:
             log.exception("data producer %s failed for request %s", step.plugin.name, request.request_id)
         if timed:
-            step.timer.observe(perf_counter() - started)
+            step.timer.done(started)
 
 
 def schedule(runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
@@ -95,7 +95,7 @@ def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: Inferen
         except Exception:
             log.exception("%s of plugin %s failed for request %s", method, step.plugin.name, request.request_id)
         if timed:
-            step.timer.observe(perf_counter() - started)
+            step.timer.done(started)
 
 
 def routed_fields(request: InferenceRequest, result: SchedulingResult, priority: int, seconds: float) -> dict[str, Any]:
@@ -148,6 +148,7 @@ class RoutedRequest:
         "status",
         "targets",
         "tokens",
+        "trace",
         "usage",
     )
 
@@ -175,6 +176,7 @@ class RoutedRequest:
         self.usage: Usage | None = None
         self.response_bytes = 0
         self.done = False
+        self.trace: tracing.RequestTrace | None = None  # its spans, when sampled (--tracing)
         self._sse: SseUsageScanner | None = None
         self._response_buffer: list[bytes] | None = None
         self._over_cap = False
@@ -267,7 +269,7 @@ class Director:
 
     `tenant_header` names the request header that scopes prefix state by tenant;
     `staleness_threshold` the age after which an endpoint's scraped metrics count as stale
-    (None: never).
+    (None: never); `tracer` (`--tracing` with an exporter) traces sampled requests.
     """
 
     def __init__(
@@ -276,8 +278,10 @@ class Director:
         runtimes: RuntimeHolder,
         staleness_threshold: float | None = None,
         tenant_header: str | None = None,
+        tracer: tracing.Tracing | None = None,
     ) -> None:
         self.datastore = datastore
+        self.tracer = tracer
         self.runtimes = runtimes
         self.staleness_threshold = staleness_threshold
         self.tenant_header = tenant_header
@@ -332,21 +336,42 @@ class Director:
     async def route(self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None) -> RoutedRequest:
         """Parse, admit, prepare, schedule and count one request; raises RequestError (400,
         429, 503) when it cannot be routed. `headers` have lower-case names."""
+        trace = self.tracer.start(headers) if self.tracer is not None else None
+        if trace is None:
+            return await self._route(body, headers, subset, None)
+        token = tracing.activate(trace)  # the plugin timers below record into it
+        try:
+            routed = await self._route(body, headers, subset, trace)
+        except BaseException as error:
+            trace.failed(error)
+            raise
+        finally:
+            tracing.deactivate(token)
+        routed.trace = trace
+        return routed
+
+    async def _route(
+        self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None, trace: tracing.RequestTrace | None
+    ) -> RoutedRequest:
         # V(4): one line per routed request; below it nothing is measured for the line.
         log_request = log.isEnabledFor(logging.DEBUG)
         started = perf_counter() if log_request else 0.0
         runtime = self.runtimes.current
         request_id = headers.get("x-request-id") or str(uuid.uuid4())
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
+        if trace is not None:
+            trace.parsed(request, runtime.priority(request))
         candidates = self.candidates(subset)
         self._admit(runtime, request, candidates)
-        timed = runtime.scheduler.next_cycle_timed()
+        timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
         cycle_state = CycleState()
         await self._prepare_async(runtime, request, candidates, cycle_state, timed)
         prepare(runtime, request, candidates, cycle_state, timed)
         result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
         _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
         targets = [t.address for t in result.targets]
+        if trace is not None:
+            trace.routed(result, targets)
         tokens = request.estimated_prompt_tokens()
         self._count(targets[0], tokens)
         series = self._model_series(request)
@@ -418,9 +443,13 @@ class Director:
             usage=routed.usage,
             error=error,
         )
-        runtime, result = routed.runtime, routed.result
+        runtime, result, trace = routed.runtime, routed.result, routed.trace
+        token = tracing.activate(trace) if trace is not None else None
         if runtime is not None and result is not None:
             _run_hooks(runtime.response_complete, "response_complete", result.timed, request, result, outcome)
+        if trace is not None and token is not None:
+            tracing.deactivate(token)
+            trace.finished(outcome)
         series = self._model_series(request)
         series.running.dec()
         series.duration.observe(outcome.duration_seconds)

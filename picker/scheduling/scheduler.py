@@ -6,7 +6,8 @@ only chooses among candidates.
 Every plugin call is timed with `time.perf_counter` into the reference's
 `inference_extension_plugin_duration_seconds`, and the whole cycle into
 `inference_extension_scheduler_e2e_duration_seconds`; histogram children are bound once at
-construction so a decision pays only for `observe`.
+construction so a decision pays only for `observe`. The same readings become the plugin's span
+when the request is traced (`--tracing`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from picker.framework.plugin import (
 )
 from picker.framework.request import InferenceRequest
 from picker.request.errors import RequestError
+from picker.telemetry import tracing
 from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_ATTEMPTS, SCHEDULER_E2E
 
 if TYPE_CHECKING:
@@ -45,9 +47,31 @@ log = logging.getLogger(__name__)
 PLUGIN_TIMING_SAMPLE = 8
 
 
-def plugin_timer(extension_point: str, plugin: Plugin) -> Histogram:
-    """`plugin`'s child of the plugin-duration histogram at `extension_point`, bound once."""
-    return PLUGIN_DURATION.labels(extension_point, plugin.plugin_type, plugin.name)
+class PluginTimer:
+    """Times one plugin at one extension point, for timed cycles: its child of the
+    plugin-duration histogram (bound once) and, when the request is traced, its span."""
+
+    __slots__ = ("extension_point", "histogram", "name", "plugin_type")
+
+    def __init__(self, extension_point: str, plugin: Plugin) -> None:
+        self.extension_point = extension_point
+        self.plugin_type = plugin.plugin_type
+        self.name = plugin.name
+        self.histogram: Histogram = PLUGIN_DURATION.labels(extension_point, plugin.plugin_type, plugin.name)
+
+    def done(self, started: float, seconds: float | None = None) -> None:
+        """The call that began at `started` (a perf_counter reading) ended now; `seconds`, when
+        given, is the plugin's own time within that span (the profile handler's calls)."""
+        ended = perf_counter()
+        self.histogram.observe(ended - started if seconds is None else seconds)
+        trace = tracing.active()
+        if trace is not None:
+            trace.plugin(self.extension_point, self.plugin_type, self.name, started, ended)
+
+
+def plugin_timer(extension_point: str, plugin: Plugin) -> PluginTimer:
+    """`plugin`'s timer at `extension_point`."""
+    return PluginTimer(extension_point, plugin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +108,7 @@ class SchedulerProfile:
             started = perf_counter()
             candidates = filter_.filter(request, cycle_state, candidates)
             if timed:
-                timer.observe(perf_counter() - started)
+                timer.done(started)
             if not candidates:
                 return None
         candidates = tuple(candidates)
@@ -94,7 +118,7 @@ class SchedulerProfile:
             started = perf_counter()
             raw = scorer.score(request, cycle_state, candidates)
             if timed:
-                timer.observe(perf_counter() - started)
+                timer.done(started)
             if len(raw) != len(candidates):
                 raise RuntimeError(
                     f"scorer {scorer.name!r} returned {len(raw)} scores for {len(candidates)} candidates"
@@ -107,7 +131,7 @@ class SchedulerProfile:
         started = perf_counter()
         targets = self.picker.pick(cycle_state, candidates, totals)
         if timed:
-            self._picker_timer.observe(perf_counter() - started)
+            self._picker_timer.done(started)
         return ProfileRunResult(targets, candidates, scores, self._weights, totals)
 
 
@@ -173,6 +197,7 @@ class Scheduler:
         handler = self.profile_handler
         results: dict[str, ProfileRunResult | None] = {}
         handler_seconds = 0.0
+        first_started = perf_counter()
         while True:
             started = perf_counter()
             chosen = [
@@ -187,7 +212,7 @@ class Scheduler:
                 results[name] = self.profiles[name].run(request, cycle_state, candidates, timed)
         started = perf_counter()
         result = handler.process_results(request, cycle_state, results)
-        if timed:
-            self._handler_timer.observe(handler_seconds + perf_counter() - started)
+        if timed:  # its span covers the profile runs it chose; its histogram only its own time
+            self._handler_timer.done(first_started, handler_seconds + perf_counter() - started)
             result = replace(result, timed=True)
         return result

@@ -139,11 +139,11 @@ TABLE: dict[str, Outcome] = {
         logging.CRITICAL,
     ),
     "zap-time-encoding": (["--zap-time-encoding", "rfc3339"], lambda s: log_settings(s.args).times, "rfc3339"),
-    "tracing": (["--tracing=true"], REFUSED),
+    "tracing": (["--tracing=false"], lambda s: s.tracing, None),
     "health-checking": (["--health-checking"], lambda s: s.args.health_checking, True),
     "metrics-port": (["--metrics-port", "9191"], lambda s: s.args.metrics_port, 9191),
     "grpc-health-port": (["--grpc-health-port", "9103"], lambda s: s.args.grpc_health_port, 9103),
-    "enable-pprof": (["--enable-pprof"], REFUSED),
+    "enable-pprof": (["--enable-pprof"], lambda s: s.features.pprof, True),
     "cert-path": (["--cert-path", "/certs"], lambda s: s.args.cert_path, "/certs"),
     "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.args.enable_cert_reload, True),
     "secure-serving": (["--secure-serving=false"], lambda s: s.args.secure_serving, False),
@@ -187,18 +187,19 @@ def test_each_reference_flag_is_honoured_or_refused_naming_it(flag: str) -> None
 
 
 def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> None:
-    """--metrics-endpoint-auth, --tracing and --enable-pprof default to true in the reference:
-    left out they do not fail the start (those not honoured yet are listed); =false is
-    honoured; leader election defaults to off. Metrics auth is on by default where there is an
-    API server to review tokens with (the pool or a selector), off with static endpoints."""
+    """--metrics-endpoint-auth and --tracing default to true in the reference: left out they do
+    not fail the start (tracing then exports only when an OTLP endpoint is configured); =false
+    is honoured; leader election defaults to off, and --enable-pprof too (unlike the reference:
+    see its help). Metrics auth is on by default where there is an API server to review tokens
+    with (the pool or a selector), off with static endpoints."""
     s = server()
-    assert s.features == ReferenceFeatures(leader_election=False, metrics_endpoint_auth=False, tracing=True, pprof=True)
-    assert s.pending_features == ["--tracing", "--enable-pprof"]
+    assert s.features == ReferenceFeatures(
+        leader_election=False, metrics_endpoint_auth=False, tracing=True, pprof=False
+    )
     assert server("--pool-name", "pool").features.metrics_endpoint_auth is True
     assert server("--endpoint-selector", "app=vllm").features.metrics_endpoint_auth is True
     off = server("--metrics-endpoint-auth=false", "--tracing=false", "--enable-pprof=false")
     assert off.features == ReferenceFeatures(False, False, False, False)
-    assert off.pending_features == []
     assert server("--ha-enable-leader-election=false").features.leader_election is False
 
 
