@@ -105,6 +105,14 @@ class FlowController:
             metrics.FLOW_ENQUEUE_DURATION.labels(*labels, item.state.value).observe(perf_counter() - started)
             self._observe_queue_time(item)
             raise RequestError("ResourceExhausted", "flow control queue at capacity")
+        if not self.count and self._handoff is None and self._has_room(settings):
+            # Nothing queued and room in the pool: dispatched at once, without touching the queues.
+            item.state = Outcome.DISPATCHED
+            self._handoff = item
+            item.future.set_result(Outcome.DISPATCHED)
+            metrics.FLOW_ENQUEUE_DURATION.labels(*labels, Outcome.QUEUED.value).observe(perf_counter() - started)
+            self._observe_queue_time(item)
+            return item
         if band is None:
             band = self._bands[priority] = PriorityBand(priority, band_settings)
             bisect.insort(self._priorities, priority)
@@ -167,6 +175,14 @@ class FlowController:
                     band.apply(settings.band(priority))
         return settings
 
+    def _has_room(self, settings: FlowControlSettings | None) -> bool:
+        """Whether the pool's saturation is below the usage limit (always, once the gate is off)."""
+        if settings is None:
+            return True
+        saturation = self._saturation()
+        self._saturation_gauge.set(saturation)
+        return saturation < settings.usage_limit
+
     def _cycle(self) -> None:
         """Dispatch the next request if the pool has room: the highest band with requests,
         its fairness policy's flow, that flow's head."""
@@ -174,15 +190,11 @@ class FlowController:
         if self._handoff is not None or not self.count:
             return
         started = perf_counter()
-        settings = self._sync(self._settings_source())
-        if settings is not None:
-            saturation = self._saturation()
-            self._saturation_gauge.set(saturation)
-            if saturation >= settings.usage_limit:
-                if self._tick is None and self._loop is not None:
-                    self._tick = self._loop.call_later(SATURATED_TICK_SECONDS, self._on_tick)
-                metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
-                return
+        if not self._has_room(self._sync(self._settings_source())):
+            if self._tick is None and self._loop is not None:
+                self._tick = self._loop.call_later(SATURATED_TICK_SECONDS, self._on_tick)
+            metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
+            return
         band = self._bands[self._priorities[-1]]  # bands are dropped when empty
         item = band.pop_next()
         assert item is not None

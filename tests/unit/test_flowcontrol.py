@@ -222,3 +222,14 @@ async def test_turning_the_gate_off_dispatches_what_is_queued() -> None:
     controller.wake()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert done == [0, 1, 2, 3, 4]
+
+
+async def test_a_reload_reorders_queued_requests_under_the_new_policies() -> None:
+    band = PriorityBand(0, BandSettings(0, 0, STRICT, FCFS))
+    first = item(1.0, headers={"x-slo-ttft-ms": "9000"})
+    second = item(2.0, headers={"x-slo-ttft-ms": "10"})
+    band.add(first, 0)
+    band.add(second, 1)
+    band.apply(BandSettings(0, 0, ROUND_ROBIN, SloDeadlineOrderingPolicy("slo")))
+    assert band.pop_next() is second  # the tighter SLO now goes first; nothing was lost
+    assert band.pop_next() is first and band.count == 0
