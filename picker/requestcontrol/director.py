@@ -1,9 +1,8 @@
 """The director: every request-time hook of one request, in the reference director's order.
 
     parse (the config's Parser) → flow control (the gate on: wait for room) or admission
-    (saturation) → prepare data (async producers, then
-    every producer in dependency order) → schedule (the profiles) → pre-request
-    → response received → response streaming (each chunk) → response complete
+    (saturation) → prepare data (async producers, then every producer in dependency order)
+    → schedule (the profiles) → pre-request → response received → response streaming (each chunk) → response complete
 
 The director creates the request's `CycleState` and hands it to every hook; it counts the
 request in flight on its primary target and returns a `RoutedRequest`, which the ext_proc
