@@ -2,7 +2,8 @@
 
     parse (the config's Parser) → flow control (the gate on: wait for room) or admission
     (saturation) → prepare data (async producers, then every producer in dependency order)
-    → schedule (the profiles) → pre-request → response received → response streaming (each chunk) → response complete
+    → schedule (the profiles) → pre-request → response received → response streaming (each
+    chunk) → response complete
 
 The director creates the request's `CycleState` and hands it to every hook; it counts the
 request in flight on its primary target and returns a `RoutedRequest`, which the ext_proc
