@@ -9,7 +9,7 @@ naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`).
 from __future__ import annotations
 
 from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer, MetricsDataSource
-from picker.flowcontrol.policies import FLOW_CONTROL_POLICY_TYPES, FlowControlPolicy
+from picker.flowcontrol.policies import POLICY_FACTORIES
 from picker.framework.registry import Registration, Registry
 from picker.kvevents.plugins import PreciseScorer
 from picker.prefix.plugins import (
@@ -70,8 +70,8 @@ REGISTRY = Registry(
         # request: parsing
         Registration(OpenAIParser.plugin_type, OpenAIParser.create),
         Registration(PassthroughParser.plugin_type, PassthroughParser.create),
-        # requestcontrol: flow-control policies
-        *(Registration(t, FlowControlPolicy.factory(t)) for t in FLOW_CONTROL_POLICY_TYPES),
+        # flowcontrol: fairness, ordering and usage-limit policies
+        *(Registration(t, create) for t, create in POLICY_FACTORIES),
     ]
 )
 

@@ -457,6 +457,7 @@ class PickerServer:
             self.runtimes,
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
             tracer=self.tracing,
+            pool_name=args.pool_name or "",
         )
         self.config_watch: asyncio.Task[None] | None = None
         self.started = False  # Ready only once everything runs: the config loaded, the servers up

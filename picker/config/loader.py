@@ -32,7 +32,7 @@ from picker.config.schema import (
     decode,
 )
 from picker.datalayer.plugins import CoreMetricsExtractor, MetricsDataSource
-from picker.flowcontrol.policies import DEFAULT_POLICIES, FlowControlPolicy
+from picker.flowcontrol.policies import DEFAULT_POLICIES, FairnessPolicy, OrderingPolicy, StaticUsageLimitPolicy
 from picker.framework.handle import Handle
 from picker.framework.parameters import PluginConfigError
 from picker.framework.plugin import (
@@ -307,15 +307,22 @@ class _Builder:
             return
         bands = [("flowControl.defaultPriorityBand", flow.default_priority_band)] if flow.default_priority_band else []
         bands += [(f"flowControl.priorityBands[{i}]", band) for i, band in enumerate(flow.priority_bands)]
-        refs = [("flowControl.usageLimitPolicyPluginRef", flow.usage_limit_policy_plugin_ref)]
+        refs: list[tuple[str, str | None, type[Plugin], str]] = [
+            (
+                "flowControl.usageLimitPolicyPluginRef",
+                flow.usage_limit_policy_plugin_ref,
+                StaticUsageLimitPolicy,
+                "a usage-limit policy",
+            )
+        ]
         for place, band in bands:
-            refs += [(f"{place}.fairnessPolicyRef", band.fairness_policy_ref)]
-            refs += [(f"{place}.orderingPolicyRef", band.ordering_policy_ref)]
-        for place, ref in refs:
+            refs += [(f"{place}.fairnessPolicyRef", band.fairness_policy_ref, FairnessPolicy, "a fairness policy")]
+            refs += [(f"{place}.orderingPolicyRef", band.ordering_policy_ref, OrderingPolicy, "an ordering policy")]
+        for place, ref, kind, what in refs:
             if ref in DEFAULT_POLICIES:
                 self.ensure(ref)
             if ref is not None:
-                self.check_ref(ref, place, FlowControlPolicy, "a flow-control policy")
+                self.check_ref(ref, place, kind, what)
 
     def default_producers(self) -> None:
         """Add the registered default producer of every consumed key nobody produces."""
@@ -406,10 +413,10 @@ def _feature_notes(config: EndpointPickerConfig) -> list[str]:
     notes = []
     if "dataLayer" in config.feature_gates:
         notes.append('featureGates: "dataLayer" is obsolete: the data layer is always on (as in the reference)')
-    if "flowControl" in config.feature_gates or config.flow_control is not None:
+    if config.flow_control is not None and "flowControl" not in config.feature_gates:
         notes.append(
-            "flowControl: accepted and validated, but the picker does not implement flow control: a sheddable "
-            "request (priority < 0) is rejected while the pool is saturated, as the reference does without it"
+            'flowControl: the section is ignored while the "flowControl" feature gate is off (as in the '
+            "reference): a sheddable request (priority < 0) is rejected while the pool is saturated"
         )
     return notes
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
 from picker.config.schema import ConfigError, EndpointPickerConfig, ProfilePluginRef
 from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDataSource
@@ -86,7 +87,8 @@ class Runtime:
     """Everything a request needs from one effective config.
 
     - `config` (effective, every default filled in), `plugins` by name, `feature_gates`;
-    - `parser`, `saturation_detector`, `scheduler`;
+    - `parser`, `saturation_detector`, `scheduler`; `flow_control`: the resolved `flowControl`
+      settings, None while the feature gate is off;
     - the hooks by extension point, in the order the director runs them: `producers` (in
       dependency order; `async_producers` those with async work), `pre_request`,
       `response_received`, `response_streaming`, `response_complete`;
@@ -125,6 +127,7 @@ class Runtime:
         assert isinstance(parser, Parser) and isinstance(detector, SaturationDetector)
         self.parser = parser
         self.saturation_detector = detector
+        self.flow_control = flow_control_settings(config, plugins)  # None: the gate is off
         self.data_sources: tuple[DataSource, ...] | None = None
         if config.data_layer is not None:
             self.data_sources = tuple(

@@ -73,7 +73,8 @@ class PriorityBandSpec:
 
 @dataclass(frozen=True, slots=True)
 class FlowControlSpec:
-    """Accepted and validated for compatibility; the picker does not implement flow control."""
+    """The `flowControl` section as written (quantities already numbers); in force only with the
+    `flowControl` feature gate (`picker.flowcontrol.settings` resolves its defaults)."""
 
     max_bytes: int | None = None
     max_requests: int | None = None

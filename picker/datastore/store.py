@@ -25,6 +25,7 @@ class Datastore:
         self._in_flight_requests: dict[str, int] = {}
         self._in_flight_tokens: dict[str, int] = {}
         self._listeners: list[EndpointListener] = []
+        self._load_listeners: list[Callable[[], None]] = []
         self.synced = False  # True once discovery has delivered a full endpoint list
 
     # -- endpoints (written by discovery) --------------------------------------------------
@@ -39,6 +40,7 @@ class Datastore:
             self._in_flight_requests.pop(address, None)
             self._in_flight_tokens.pop(address, None)
         self.synced = True
+        self._load_changed()
         if new != old or any(new[a].labels != old[a].labels for a in new.keys() & old.keys()):
             for listener in list(self._listeners):
                 listener(old, new)
@@ -58,6 +60,15 @@ class Datastore:
 
         self.add_listener(departed)
         return departed
+
+    def add_load_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever capacity may have changed: new metrics, a request
+        released, the endpoint set replaced (flow control dispatches on it; keep it cheap)."""
+        self._load_listeners.append(listener)
+
+    def _load_changed(self) -> None:
+        for listener in self._load_listeners:
+            listener()
 
     def remove_listener(self, listener: EndpointListener) -> None:
         """Stop calling `listener` (added with `add_listener`); unknown listeners are ignored."""
@@ -79,6 +90,7 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
+            self._load_changed()
 
     def metrics(self, address: str) -> EndpointMetrics:
         return self._metrics.get(address, _NO_METRICS)
@@ -94,6 +106,7 @@ class Datastore:
             return  # the endpoint left the pool while the request ran
         self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
         self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
+        self._load_changed()
 
     def in_flight(self, address: str) -> int:
         return self._in_flight_requests.get(address, 0)

@@ -1,5 +1,6 @@
-"""Flow control: the reference's policy plugin types (`policies`), accepted so reference
-configs load; requests are not yet queued at the picker.
+"""Flow control: requests held at the picker while the pool is saturated, dispatched by strict
+priority, fairness between flows and ordering within a flow. The policy plugins (`policies`),
+the resolved settings (`settings`), the queues (`queues`) and the controller (`controller`).
 
-May import: framework.
+May import: framework, request (errors as HTTP answers), telemetry.
 """

@@ -1,8 +1,9 @@
 """The director: every request-time hook of one request, in the reference director's order.
 
-    parse (the config's Parser) → admission (saturation) → prepare data (async producers, then
-    every producer in dependency order) → schedule (the profiles) → pre-request
-    → response received → response streaming (each chunk) → response complete
+    parse (the config's Parser) → flow control (the gate on: wait for room) or admission
+    (saturation) → prepare data (async producers, then every producer in dependency order)
+    → schedule (the profiles) → pre-request → response received → response streaming (each
+    chunk) → response complete
 
 The director creates the request's `CycleState` and hands it to every hook; it counts the
 request in flight on its primary target and returns a `RoutedRequest`, which the ext_proc
@@ -23,6 +24,7 @@ from typing import Any
 from picker.config.runtime import Runtime, RuntimeHolder, Step
 from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
+from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
 from picker.framework.plugin import SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
@@ -269,7 +271,8 @@ class Director:
 
     `tenant_header` names the request header that scopes prefix state by tenant;
     `staleness_threshold` the age after which an endpoint's scraped metrics count as stale
-    (None: never); `tracer` (`--tracing` with an exporter) traces sampled requests.
+    (None: never); `tracer` (`--tracing` with an exporter) traces sampled requests; `pool_name`
+    labels the flow-control metrics.
     """
 
     def __init__(
@@ -279,6 +282,7 @@ class Director:
         staleness_threshold: float | None = None,
         tenant_header: str | None = None,
         tracer: tracing.Tracing | None = None,
+        pool_name: str = "",
     ) -> None:
         self.datastore = datastore
         self.tracer = tracer
@@ -288,6 +292,12 @@ class Director:
         self._series: dict[tuple[str, str], _ModelSeries] = {}
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
         datastore.add_listener(self._forget_endpoints)
+        self.flow_control = FlowController(lambda: self.runtimes.current.flow_control, self._pool_saturation, pool_name)
+        datastore.add_load_listener(self.flow_control.wake)  # completions, metrics, endpoints
+
+    def _pool_saturation(self) -> float:
+        """The whole pool's saturation by the config's detector, as flow control gates on it."""
+        return self.runtimes.current.saturation_detector.saturation(self.datastore.snapshot())
 
     def _forget_endpoints(self, old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
         """Drop the metric series of endpoints that left, so churn does not grow them forever."""
@@ -361,6 +371,26 @@ class Director:
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
         if trace is not None:
             trace.parsed(request, runtime.priority(request))
+        # -- flow control (the `flowControl` gate): hold the request until the pool has room;
+        # it is scheduled after dispatch, on that moment's endpoints and metrics (late binding).
+        flow_control = runtime.flow_control
+        if flow_control is not None:
+            async with self.flow_control.dispatched(flow_control, request, runtime.priority(request)):
+                return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+        # -- end of flow control
+        return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+
+    async def _schedule(
+        self,
+        runtime: Runtime,
+        request: InferenceRequest,
+        body: bytes,
+        subset: Sequence[str] | None,
+        started: float,
+        log_request: bool,
+        trace: tracing.RequestTrace | None,
+    ) -> RoutedRequest:
+        """Admit, prepare, schedule and count a parsed request."""
         candidates = self.candidates(subset)
         self._admit(runtime, request, candidates)
         timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
@@ -386,7 +416,10 @@ class Director:
 
     def _admit(self, runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
         """The reference's legacy admission: shed a sheddable request (priority < 0) with
-        ResourceExhausted (429) when the candidates are saturated; others always pass."""
+        ResourceExhausted (429) when the candidates are saturated; others always pass. Under
+        flow control nothing is shed here: the request waited for room."""
+        if runtime.flow_control is not None:
+            return
         if runtime.priority(request) < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
             raise RequestError("ResourceExhausted", "the pool is saturated and the request is sheddable")
 

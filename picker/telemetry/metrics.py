@@ -168,6 +168,41 @@ PLUGIN_DURATION = Histogram(
     ("extension_point", "plugin_type", "plugin_name"),
     buckets=_SCHED_BUCKETS,
 )
+# -- flow control (reference names, labels and buckets) ----------------------------------------
+_FLOW = ("fairness_id", "priority")
+_FLOW_CYCLE_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+FLOW_QUEUE_DURATION = Histogram(
+    "inference_extension_flow_control_request_queue_duration_seconds",
+    "Distribution of total time requests spend in the Flow Control layer (from enqueue to final outcome).",
+    (*_FLOW, "outcome", "inference_pool", *_M),
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+FLOW_DISPATCH_CYCLE = Histogram(
+    "inference_extension_flow_control_dispatch_cycle_duration_seconds",
+    "Distribution of time taken for each internal dispatch cycle in the Flow Control layer.",
+    buckets=_FLOW_CYCLE_BUCKETS,
+)
+FLOW_ENQUEUE_DURATION = Histogram(
+    "inference_extension_flow_control_request_enqueue_duration_seconds",
+    "Distribution of time taken to enqueue requests into the Flow Control layer.",
+    (*_FLOW, "outcome"),
+    buckets=_FLOW_CYCLE_BUCKETS,
+)
+FLOW_QUEUE_SIZE = Gauge(
+    "inference_extension_flow_control_queue_size",
+    "Current number of requests actively held in the Flow Control queue.",
+    (*_FLOW, "inference_pool", *_M),
+)
+FLOW_QUEUE_BYTES = Gauge(
+    "inference_extension_flow_control_queue_bytes",
+    "Current total size in bytes of requests actively held in the Flow Control queue.",
+    (*_FLOW, "inference_pool", *_M),
+)
+FLOW_POOL_SATURATION = Gauge(
+    "inference_extension_flow_control_pool_saturation",
+    "Current saturation level of the inference pool (0.0 = empty, 1.0 = fully saturated).",
+    ("inference_pool",),
+)
 INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build_ref"))
 
 # -- picker's own -----------------------------------------------------------------------------

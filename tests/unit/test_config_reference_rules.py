@@ -112,7 +112,7 @@ def test_flow_control_names_the_default_policies_without_declaring_them_but_not_
         "plugins: [{type: queue-scorer}]\nflowControl: {priorityBands: [{priority: 1, orderingPolicyRef: queue-scorer}]}\n"
     ) == [
         'flowControl.priorityBands[0].orderingPolicyRef: plugin "queue-scorer" (type "queue-scorer") '
-        "is not a flow-control policy"
+        "is not an ordering policy"
     ]
     document, _ = loaded("plugins: [{type: static-usage-limit-policy, parameters: {threshold: 0.5}}]\n")
     assert document["plugins"][0]["parameters"] == {"threshold": 0.5}

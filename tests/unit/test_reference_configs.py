@@ -87,7 +87,7 @@ class Unsupported:
     error: str
 
 
-FLOW_NOTE = "flowControl: accepted and validated, but the picker does not implement flow control"
+FLOW_NOTE = 'flowControl: the section is ignored while the "flowControl" feature gate is off'
 FORWARDED = 'its parameters configure the "approx-prefix-cache-producer" added for it'
 EXTRACTOR_ENGINES = [
     {
@@ -198,7 +198,7 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         named(*SYSTEM, *DATA),
         [MAX_SCORE],
         feature_gates=["dataLayer", "flowControl"],
-        notes=['"dataLayer" is obsolete', FLOW_NOTE],
+        notes=['"dataLayer" is obsolete'],
     ),
     "vllmgrpc-parser.yaml": unsupported("plugins[1]", "vllmgrpc-parser"),
     "model-servers-default-engine.yaml": Accepted(
@@ -312,7 +312,6 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         [("maxScore", None)],
         feature_gates=["flowControl"],
         flow_control={"maxBytes": 1024, "defaultRequestTTL": "1m"},
-        notes=[FLOW_NOTE],
     ),
     "loader-flow-control-disabled.yaml": Accepted(
         named(

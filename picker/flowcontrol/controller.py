@@ -1,0 +1,240 @@
+"""The flow controller: holds requests while the pool is saturated and dispatches them one at a
+time, by strict priority between bands, the band's fairness policy between its flows and the
+ordering policy within a flow.
+
+Everything runs on the event loop. A waiting request awaits a future (no CPU, no gRPC traffic);
+dispatch cycles run when something may have freed room — an arrival, a dispatched request
+counted in flight, a request completing, a metrics refresh, an endpoint change — plus a slow
+tick while the pool stays saturated (metrics that never refresh must not stall the queue).
+
+Late binding: a dispatched request is scheduled after it leaves the queue, on that moment's
+endpoints and metrics. One dispatch is outstanding at a time (the *handoff*): the next cycle
+runs once the dispatched request is counted in flight (or fails), so the detector sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from time import perf_counter
+from typing import Any
+
+from picker.flowcontrol.queues import Outcome, PriorityBand, QueuedRequest
+from picker.flowcontrol.settings import FlowControlSettings
+from picker.framework.request import InferenceRequest
+from picker.request.errors import RequestError
+from picker.telemetry import metrics
+
+# While the pool stays saturated, a dispatch cycle runs at least this often.
+SATURATED_TICK_SECONDS = 0.1
+
+SettingsSource = Callable[[], FlowControlSettings | None]
+
+
+class FlowController:
+    """Queues, dispatch and accounting for one pool.
+
+    `settings` returns the flow-control settings in force (None once the gate is turned off:
+    what is still queued is then dispatched without waiting); `saturation` the pool's
+    saturation now (dispatch only while it is below the usage limit).
+    """
+
+    def __init__(self, settings: SettingsSource, saturation: Callable[[], float], pool_name: str = "") -> None:
+        self._settings_source = settings
+        self._saturation = saturation
+        self._pool = pool_name
+        self._settings: FlowControlSettings | None = None
+        self._bands: dict[int, PriorityBand] = {}
+        self._priorities: list[int] = []  # of the bands, ascending
+        self._seq = itertools.count()
+        self.count = 0
+        self.bytes = 0
+        self._handoff: QueuedRequest | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cycle_scheduled = False
+        self._tick: asyncio.TimerHandle | None = None
+        self._series: dict[tuple[str, ...], list[int]] = {}  # gauge labels → [requests, bytes]
+        self._saturation_gauge = metrics.FLOW_POOL_SATURATION.labels(pool_name)
+
+    # -- the request side --------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def dispatched(
+        self, settings: FlowControlSettings, request: InferenceRequest, priority: int
+    ) -> AsyncIterator[None]:
+        """Hold `request` until it is dispatched; the body runs the scheduling of the dispatched
+        request, and leaving it lets the next dispatch go. Raises RequestError when the queue is
+        full (429) or the TTL expires first (503); a cancelled wait leaves the queue at once."""
+        item = self._enqueue(settings, request, priority)
+        try:
+            await item.future
+        except asyncio.CancelledError:
+            if item.state is Outcome.QUEUED:
+                self._leave(item, Outcome.EVICTED_CANCELLED)
+            self._settle(item)  # cancelled just after its dispatch: let the next one go
+            raise
+        if item.state is Outcome.EVICTED_TTL:
+            raise RequestError("ServiceUnavailable", "request timed out in queue: the flow-control TTL expired")
+        try:
+            yield
+        finally:
+            self._settle(item)
+
+    def _enqueue(self, settings: FlowControlSettings, request: InferenceRequest, priority: int) -> QueuedRequest:
+        started = perf_counter()
+        loop = self._loop = asyncio.get_running_loop()
+        self._sync(settings)
+        ttl = settings.default_ttl
+        now = time.monotonic()  # the body has just arrived: receipt and enqueue are one moment here
+        item = QueuedRequest(request, priority, ttl, now, now, loop.create_future())
+        band = self._bands.get(priority)
+        band_settings = band.settings if band is not None else settings.band(priority)
+        fits = (
+            (not settings.max_bytes or self.bytes + item.size <= settings.max_bytes)
+            and (not settings.max_requests or self.count + 1 <= settings.max_requests)
+            and (not band_settings.max_bytes or (band.bytes if band else 0) + item.size <= band_settings.max_bytes)
+            and (not band_settings.max_requests or (band.count if band else 0) + 1 <= band_settings.max_requests)
+        )
+        labels = (item.fairness_id, str(priority))
+        if not fits:
+            item.state = Outcome.REJECTED_CAPACITY
+            metrics.FLOW_ENQUEUE_DURATION.labels(*labels, item.state.value).observe(perf_counter() - started)
+            self._observe_queue_time(item)
+            raise RequestError("ResourceExhausted", "flow control queue at capacity")
+        if not self.count and self._handoff is None and self._has_room(settings):
+            # Nothing queued and room in the pool: dispatched at once, without touching the queues.
+            item.state = Outcome.DISPATCHED
+            self._handoff = item
+            item.future.set_result(Outcome.DISPATCHED)
+            metrics.FLOW_ENQUEUE_DURATION.labels(*labels, Outcome.QUEUED.value).observe(perf_counter() - started)
+            self._observe_queue_time(item)
+            return item
+        if band is None:
+            band = self._bands[priority] = PriorityBand(priority, band_settings)
+            bisect.insort(self._priorities, priority)
+        band.add(item, next(self._seq))
+        self.count += 1
+        self.bytes += item.size
+        self._gauge(item, 1)
+        if ttl is not None:
+            item.timer = loop.call_later(ttl, self._expire, item)
+        metrics.FLOW_ENQUEUE_DURATION.labels(*labels, Outcome.QUEUED.value).observe(perf_counter() - started)
+        self._cycle()  # work conserving: with room and nothing ahead, it is dispatched right here
+        return item
+
+    def _expire(self, item: QueuedRequest) -> None:
+        if item.state is Outcome.QUEUED:
+            self._leave(item, Outcome.EVICTED_TTL)
+            item.future.set_result(Outcome.EVICTED_TTL)
+
+    def _leave(self, item: QueuedRequest, outcome: Outcome) -> None:
+        """`item` leaves its queue before dispatch (TTL, client gone)."""
+        item.state = outcome
+        band = self._bands[item.priority]
+        band.discard(item)
+        self._uncount(item, band)
+
+    def _uncount(self, item: QueuedRequest, band: PriorityBand) -> None:
+        if item.timer is not None:
+            item.timer.cancel()
+        self.count -= 1
+        self.bytes -= item.size
+        if band.count == 0:
+            del self._bands[band.priority]
+            self._priorities.remove(band.priority)
+        self._gauge(item, -1)
+        self._observe_queue_time(item)
+
+    def _settle(self, item: QueuedRequest) -> None:
+        if self._handoff is item:
+            self._handoff = None
+            self.wake()
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Something may have freed room: run a dispatch cycle soon (cheap; call freely)."""
+        if self.count and not self._cycle_scheduled and self._handoff is None and self._loop is not None:
+            self._cycle_scheduled = True
+            self._loop.call_soon(self._cycle)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.wake()
+
+    def _sync(self, settings: FlowControlSettings | None) -> FlowControlSettings | None:
+        """Adopt the settings in force (a reload changes them; queued requests stay)."""
+        if settings is not self._settings:
+            self._settings = settings
+            if settings is not None:
+                for priority, band in self._bands.items():
+                    band.apply(settings.band(priority))
+        return settings
+
+    def _has_room(self, settings: FlowControlSettings | None) -> bool:
+        """Whether the pool's saturation is below the usage limit (always, once the gate is off)."""
+        if settings is None:
+            return True
+        saturation = self._saturation()
+        self._saturation_gauge.set(saturation)
+        return saturation < settings.usage_limit
+
+    def _cycle(self) -> None:
+        """Dispatch the next request if the pool has room: the highest band with requests,
+        its fairness policy's flow, that flow's head."""
+        self._cycle_scheduled = False
+        if self._handoff is not None or not self.count:
+            return
+        started = perf_counter()
+        if not self._has_room(self._sync(self._settings_source())):
+            if self._tick is None and self._loop is not None:
+                self._tick = self._loop.call_later(SATURATED_TICK_SECONDS, self._on_tick)
+            metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
+            return
+        band = self._bands[self._priorities[-1]]  # bands are dropped when empty
+        item = band.pop_next()
+        assert item is not None
+        item.state = Outcome.DISPATCHED
+        self._uncount(item, band)
+        self._handoff = item
+        item.future.set_result(Outcome.DISPATCHED)
+        metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _labels(self, item: QueuedRequest) -> tuple[str, ...]:
+        request = item.request
+        return (item.fairness_id, str(item.priority), self._pool, request.model, request.target_model)
+
+    def _gauge(self, item: QueuedRequest, sign: int) -> None:
+        """Queue size and bytes per flow and model; a series is dropped when it empties, so
+        client-chosen fairness ids do not grow the metrics forever."""
+        labels = self._labels(item)
+        load = self._series.setdefault(labels, [0, 0])
+        load[0] += sign
+        load[1] += sign * item.size
+        if load[0] == 0:
+            del self._series[labels]
+            metrics.FLOW_QUEUE_SIZE.remove(*labels)
+            metrics.FLOW_QUEUE_BYTES.remove(*labels)
+        else:
+            metrics.FLOW_QUEUE_SIZE.labels(*labels).set(load[0])
+            metrics.FLOW_QUEUE_BYTES.labels(*labels).set(load[1])
+
+    def _observe_queue_time(self, item: QueuedRequest) -> None:
+        request = item.request
+        metrics.FLOW_QUEUE_DURATION.labels(
+            item.fairness_id, str(item.priority), item.state.value, self._pool, request.model, request.target_model
+        ).observe(time.monotonic() - item.enqueued_at)
+
+    def describe(self) -> dict[str, Any]:
+        """Queued requests and bytes, in total and per priority band (for tests and debugging)."""
+        return {
+            "requests": self.count,
+            "bytes": self.bytes,
+            "bands": {p: {"requests": b.count, "bytes": b.bytes} for p, b in self._bands.items()},
+        }

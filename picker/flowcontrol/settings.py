@@ -1,0 +1,37 @@
+"""The `flowControl` section resolved: limits as numbers, the TTL in seconds, policies as plugins,
+every reference default filled in (`picker.config.flowcontrol` builds it once per config); the
+controller reads it per request."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from picker.flowcontrol.policies import FairnessPolicy, OrderingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class BandSettings:
+    """One priority band: its limits (0: none) and policies."""
+
+    max_bytes: int
+    max_requests: int
+    fairness: FairnessPolicy
+    ordering: OrderingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControlSettings:
+    """Global limits (0: none), the default TTL (None: wait until dispatched or cancelled), the
+    saturation ceiling, explicit bands by priority and the template for any other priority."""
+
+    max_bytes: int
+    max_requests: int
+    default_ttl: float | None
+    usage_limit: float
+    default_band: BandSettings
+    bands: Mapping[int, BandSettings] = field(default_factory=dict)
+
+    def band(self, priority: int) -> BandSettings:
+        """The settings of `priority`'s band (the template when it is not configured)."""
+        return self.bands.get(priority, self.default_band)
