@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -37,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="the config in force in a running picker: its metrics port (http://HOST:9090) or its /config URL",
     )
+    show.add_argument(
+        "--token",
+        default=os.environ.get("PICKER_TOKEN"),
+        help="with --live: a bearer token for a picker with --metrics-endpoint-auth (default: $PICKER_TOKEN)",
+    )
     return parser
 
 
@@ -44,11 +50,12 @@ def _comments(lines: Sequence[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
-def _show_live(url: str) -> int:
+def _show_live(url: str, token: str | None) -> int:
     if not url.rstrip("/").endswith("/config"):
         url = url.rstrip("/") + "/config"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=LIVE_TIMEOUT_SECONDS) as response:
+        with urllib.request.urlopen(request, timeout=LIVE_TIMEOUT_SECONDS) as response:
             live: dict[str, Any] = json.loads(response.read())
         header = [
             f"live config of {url}",
@@ -68,7 +75,7 @@ def _show_live(url: str) -> int:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.command == "show" and args.live:
-        return _show_live(args.live)
+        return _show_live(args.live, args.token)
     try:
         config: EndpointPickerConfig
         if args.command == "validate":

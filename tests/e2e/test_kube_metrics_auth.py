@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
+from picker.config import cli as config_cli
 from tests.e2e.kube_resources import service_account_token
 from tests.stack import Picker, start_picker
 
@@ -49,7 +50,7 @@ def picker(picker_release: dict[str, str], tmp_path_factory: pytest.TempPathFact
     process.stop()
 
 
-def test_metrics_answer_only_the_monitoring_identity(admin_api, kube_cluster, picker_release, picker) -> None:
+def test_metrics_answer_only_the_monitoring_identity(admin_api, kube_cluster, picker_release, picker, capsys) -> None:
     ns = picker_release["namespace"]
     client.CoreV1Api(admin_api).create_namespaced_service_account(
         ns, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="no-rights"))
@@ -91,3 +92,8 @@ def test_metrics_answer_only_the_monitoring_identity(admin_api, kube_cluster, pi
     )
     status, body = get(base + "/config", stranger)
     assert status == 200 and b"sha256" in body
+    # `picker config show --live` with that identity's token, and without one.
+    assert config_cli.main(["show", "--live", base, "--token", stranger]) == 0
+    assert "sha256: " in capsys.readouterr().out
+    assert config_cli.main(["show", "--live", base, "--token", ""]) == 1
+    assert "401" in capsys.readouterr().err
