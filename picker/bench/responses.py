@@ -16,6 +16,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from time import thread_time
+from typing import Any
 
 import orjson
 
@@ -36,7 +37,9 @@ CHAT = {":path": "/v1/chat/completions"}
 def sse_answer(words: int) -> list[bytes]:
     """An answer of `words` words as a chat completion stream, one word per event, with a usage
     event before `[DONE]` (vLLM's `stream_options.include_usage`)."""
-    events = [{"choices": [{"index": 0, "delta": {"content": f" word{i % 50}"}}]} for i in range(words)]
+    events: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"content": f" word{i % 50}"}}]} for i in range(words)
+    ]
     events.append({"choices": [], "usage": {"prompt_tokens": 2000, "completion_tokens": words}})
     return [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
