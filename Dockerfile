@@ -8,8 +8,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY picker ./picker
+COPY tools/restore-opentelemetry-proto.sh ./tools/
 RUN python -m venv /opt/picker \
  && /opt/picker/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
+ && tools/restore-opentelemetry-proto.sh /opt/picker/bin \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 
 FROM python:3.11-slim-bookworm

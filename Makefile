@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,tokenizers,bench]'
+	tools/restore-opentelemetry-proto.sh $(BIN)
 	touch $(STAMP) $(DEMO_STAMP)
 
 # The demo needs less (no test tools, no transformers), so a fresh clone is ready sooner.
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -e '.[bench]'
+	tools/restore-opentelemetry-proto.sh $(BIN)
 	touch $(DEMO_STAMP)
 
 # The e2e tests run a real kube-apiserver (built once from the official Go module and cached in

@@ -108,6 +108,7 @@ def gateway(
         "--config-map",
         picker_release["config_map"],
         "--enable-debug-decisions",
+        "--metrics-endpoint-auth=false",  # the test reads /debug/decisions without a token
         name="picker-kube",
         tls=False,
     )
