@@ -44,7 +44,9 @@ from picker.workers.role import WorkerRole
 
 log = logging.getLogger("picker")
 
-HEALTH_POLL_SECONDS = 0.25
+HEALTH_POLL_SECONDS = 0.5
+# Reconnect soon to a worker that is starting (gRPC's default backoff grows to two minutes).
+_HEALTH_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 METRICS_POLL_SECONDS = 5.0  # bounds what a dead worker counted but the parent never read
 STABLE_SECONDS = 10.0  # a worker that ran this long was not crash-looping
 MAX_RESTART_DELAY_SECONDS = 30.0
@@ -72,6 +74,7 @@ class Worker:
         self.started_at = 0.0
         self.ready = False
         self.last_page: Families | None = None
+        self.health: grpc.aio.Channel | None = None  # to its health service
         self.fast_failures = 0  # consecutive exits within STABLE_SECONDS of the start
 
     @property
@@ -125,6 +128,7 @@ class Supervisor:
         )
         process.start()
         worker.process, worker.started_at, worker.ready = process, time.monotonic(), False
+        worker.health = grpc.aio.insecure_channel(worker.role.health_address, options=_HEALTH_CHANNEL_OPTIONS)
         loop = asyncio.get_running_loop()
         sentinel = process.sentinel
 
@@ -135,9 +139,12 @@ class Supervisor:
         loop.add_reader(sentinel, exited)
         log.info("worker %d started, pid %d", worker.role.index, process.pid)
 
-    def _reap(self, worker: Worker) -> int:
+    async def _reap(self, worker: Worker) -> int:
         """The dead worker's exit code (negative: the signal); its counts are kept."""
         assert worker.process is not None
+        if worker.health is not None:
+            await worker.health.close()
+            worker.health = None
         worker.process.join()
         code = worker.process.exitcode
         worker.process.close()
@@ -166,12 +173,12 @@ class Supervisor:
         return self.started and any(worker.ready for worker in self.workers)
 
     async def _worker_serving(self, worker: Worker) -> bool:
-        # A channel per check: a long-lived one would back off (up to minutes) while the worker starts.
-        async with grpc.aio.insecure_channel(worker.role.health_address) as channel:
-            try:
-                answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            except grpc.aio.AioRpcError:
-                return False
+        if worker.health is None:
+            return False
+        try:
+            answer = await health_pb2_grpc.HealthStub(worker.health).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def _poll_health(self) -> None:
@@ -271,7 +278,7 @@ class Supervisor:
                     return 0
                 worker = exited.result()
                 ran = time.monotonic() - worker.started_at
-                code = self._reap(worker)
+                code = await self._reap(worker)
                 if not self.started:
                     log.error("worker %d exited (code %d) before all started: stopping", worker.role.index, code)
                     return code or 1
@@ -292,7 +299,7 @@ class Supervisor:
         deadline = time.monotonic() + self.args.shutdown_delay + self.args.shutdown_grace + KILL_MARGIN_SECONDS
         while any(worker.process is not None for worker in self.workers):
             try:
-                self._reap(await asyncio.wait_for(self.exits.get(), max(0.0, deadline - time.monotonic())))
+                await self._reap(await asyncio.wait_for(self.exits.get(), max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 for worker in self.workers:
                     if worker.process is not None:

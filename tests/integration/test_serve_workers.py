@@ -94,7 +94,9 @@ def routed(picker: Picker, worker: int | None = None) -> float:
     return metric(picker, "picker_requests_routed_total", worker)
 
 
-def test_two_workers_serve_one_port_and_the_parent_sums_their_counters(backends, log_dir: Path) -> None:
+def test_two_workers_serve_one_port_and_the_parent_sums_their_counters(
+    backends: tuple[list[str], object], log_dir: Path
+) -> None:
     picker = start_workers(backends, log_dir, "picker-workers-share")
     envoy = envoy_for(picker, log_dir, "envoy-workers-share")
     try:
@@ -111,7 +113,9 @@ def test_two_workers_serve_one_port_and_the_parent_sums_their_counters(backends,
         picker.stop()
 
 
-def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_back(backends, log_dir: Path) -> None:
+def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_back(
+    backends: tuple[list[str], object], log_dir: Path
+) -> None:
     picker = start_workers(backends, log_dir, "picker-workers-kill")
     envoy = envoy_for(picker, log_dir, "envoy-workers-kill")
     try:
@@ -149,7 +153,7 @@ def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_
         picker.stop()
 
 
-def test_sigterm_drains_every_worker_with_the_shutdown_delay(backends, log_dir: Path) -> None:
+def test_sigterm_drains_every_worker_with_the_shutdown_delay(backends: tuple[list[str], object], log_dir: Path) -> None:
     picker = start_workers(backends, log_dir, "picker-workers-drain", "--shutdown-delay", "2s")
     envoy = envoy_for(picker, log_dir, "envoy-workers-drain")
     try:
