@@ -33,10 +33,11 @@ from picker.telemetry import logging as logs
 from picker.telemetry import metrics
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.health import EXT_PROC_SERVICE, HealthServicer
-from picker.telemetry.http import AccessReviewer, metrics_app, start_metrics_server
+from picker.telemetry.http import AccessReviewer, metrics_app, start_metrics_server, start_metrics_socket
 from picker.telemetry.logging import DEFAULT_VERBOSITY, LogSettings
 from picker.telemetry.profiling import add_profiling_routes
 from picker.telemetry.tracing import start_tracing
+from picker.workers.role import WorkerRole
 
 if TYPE_CHECKING:
     from kubernetes import client as kube_client
@@ -65,6 +66,28 @@ def parse_duration(text: str) -> float:
         return parse_go_duration(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+MAX_WORKERS = 64
+
+
+def parse_workers(text: str) -> int:
+    """`--workers`: a whole number from 1 to MAX_WORKERS."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number of processes, got {text!r}") from None
+    if not 1 <= count <= MAX_WORKERS:
+        raise ValueError(f"must be from 1 to {MAX_WORKERS}, got {count}")
+    return count
+
+
+def check_workers(args: argparse.Namespace) -> None:
+    """Refuse what several workers cannot do yet."""
+    if args.workers > 1 and reference_features(args).leader_election:
+        raise FlagError(
+            "--workers: leader election (--ha-enable-leader-election) runs in one process; use --workers=1 with it"
+        )
 
 
 def parse_bool(text: str) -> bool:
@@ -246,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--metrics-port", type=int, default=9090, help="The metrics port exposed by EPP. (default 9090)")
     srv.add_argument("--bind-address", default="0.0.0.0", help="address every port binds to (default 0.0.0.0)")
+    srv.add_argument(
+        "--workers",
+        type=_checked(parse_workers),
+        default=1,
+        help="picker processes serving the ext_proc port together (SO_REUSEPORT: the kernel spreads Envoy's "
+        "connections over them), under one parent that answers health and metrics for all of them and restarts "
+        "a worker that dies. Each worker learns its own prefix index, in-flight counts and TTFT model (nothing is "
+        "shared yet), so with N > 1 a prompt's prefix is found only by the worker it reached before: use it for "
+        "throughput, not for the hit ratio. (default 1)",
+    )
     _bool_flag(
         srv,
         "--health-checking",
@@ -435,9 +468,11 @@ def _encoder_hint(argv: list[str]) -> LogSettings:
 class PickerServer:
     """Everything `picker serve` runs, started and stopped together."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        """Raises FlagError for a flag the picker cannot honour as given."""
+    def __init__(self, args: argparse.Namespace, worker: WorkerRole | None = None) -> None:
+        """Raises FlagError for a flag the picker cannot honour as given. `worker`: this is one
+        of `--workers` processes; its health and metrics go to its parent, not to the flags' ports."""
         self.args = args
+        self.worker = worker
         check_refused(args)
         self.features = reference_features(args)
         self.scrape_defaults = model_server_scrape(args)
@@ -570,7 +605,11 @@ class PickerServer:
             self._is_leader if self.features.leader_election else None,
         )
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self.health_server)
-        self.health_server.add_insecure_port(f"{self.args.bind_address}:{self.args.grpc_health_port}")
+        if self.worker is not None:
+            address = self.worker.health_address
+        else:
+            address = f"{self.args.bind_address}:{self.args.grpc_health_port}"
+        self.health_server.add_insecure_port(address)
         await self.health_server.start()
 
     def _is_leader(self) -> bool:
@@ -624,7 +663,8 @@ class PickerServer:
             max_body_bytes=args.max_body_bytes,
             honour_subset_hint=not args.disable_endpoint_subset_filter,
         )
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)]
+        # Workers share the port through SO_REUSEPORT; one process alone must own it.
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", int(self.worker is not None))]
         self.grpc_server = grpc.aio.server(options=options)
         pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director, settings), self.grpc_server)
         if args.health_checking:  # as the reference: the standard health service beside ext_proc
@@ -641,7 +681,10 @@ class PickerServer:
         app = metrics_app(decisions, self.runtimes.describe, await self._access_reviewer())
         if self.features.pprof:
             add_profiling_routes(app)
-        self.metrics_runner = await start_metrics_server(app, bind, args.metrics_port)
+        if self.worker is not None:
+            self.metrics_runner = await start_metrics_socket(app, self.worker.metrics_socket)
+        else:
+            self.metrics_runner = await start_metrics_server(app, bind, args.metrics_port)
         await self.grpc_server.start()
         self.started = True
         if self.features.leader_election:
@@ -694,13 +737,13 @@ class PickerServer:
             await self.tracing.shutdown()
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, worker: WorkerRole | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        server = PickerServer(args)
+        server = PickerServer(args, worker)
     except (EndpointListError, ConfigError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -758,4 +801,36 @@ def main(argv: list[str]) -> int:
         args.pool_namespace = os.environ.get("NAMESPACE") or "default"
     import uvloop
 
-    return uvloop.run(run(args))
+    if args.workers == 1:
+        return uvloop.run(run(args))
+    try:
+        check_workers(args)
+    except FlagError as error:
+        log.error("cannot start: %s", error)
+        return 1
+    from picker.workers.supervisor import supervise
+
+    return uvloop.run(supervise(args, serve_worker, metrics_reviewer))
+
+
+def serve_worker(args: argparse.Namespace, role: WorkerRole) -> None:
+    """A `--workers` process: the picker as `picker serve` runs it, its exit code the process's."""
+    import uvloop
+
+    logs.configure(log_settings(args))
+    _return_large_buffers_to_the_os()
+    raise SystemExit(uvloop.run(run(args, role)))
+
+
+async def metrics_reviewer(args: argparse.Namespace) -> AccessReviewer | None:
+    """The access reviewer of the `--workers` parent's metrics port (`--metrics-endpoint-auth`)."""
+    if not reference_features(args).metrics_endpoint_auth:
+        return None
+    from picker.discovery.kubernetes import KubeCredentialsError, api_client
+    from picker.telemetry.access_review import KubeAccessReviewer
+
+    try:
+        api = await asyncio.to_thread(api_client, args.kubeconfig)
+    except KubeCredentialsError as exc:
+        raise FlagError(f"--metrics-endpoint-auth: {exc}") from None
+    return KubeAccessReviewer(api)

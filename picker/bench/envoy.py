@@ -21,6 +21,7 @@ from picker.datastore.endpoint import split_host_port
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "envoy"
 PICKER_CONFIGS = {"duplex": "gateway.yaml", "buffered": "buffered.yaml"}
+_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 BASELINE_POLICIES = {"round-robin": "ROUND_ROBIN", "least-request": "LEAST_REQUEST"}
 
 
@@ -38,9 +39,17 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 
 
 def picker_config(
-    mode: str, listen: tuple[str, int], picker: tuple[str, int], admin: tuple[str, int], tls: bool = True
+    mode: str,
+    listen: tuple[str, int],
+    picker: tuple[str, int],
+    admin: tuple[str, int],
+    tls: bool = True,
+    streams_per_connection: int | None = None,
 ) -> dict[str, Any]:
-    """A shipped picker config (`duplex` or `buffered`) re-addressed for this run."""
+    """A shipped picker config (`duplex` or `buffered`) re-addressed for this run.
+    `streams_per_connection` caps the ext_proc streams Envoy sends over one connection, so it
+    opens several: what spreads them over `picker serve --workers` (SO_REUSEPORT balances
+    connections, not streams)."""
     config: dict[str, Any] = yaml.safe_load((MANIFESTS / PICKER_CONFIGS[mode]).read_text())
     config["admin"]["address"] = _socket(*admin)
     config["static_resources"]["listeners"][0]["address"] = _socket(*listen)
@@ -50,6 +59,13 @@ def picker_config(
             lb["address"] = _socket(*picker)
             if not tls:
                 cluster.pop("transport_socket", None)
+            if streams_per_connection is not None:
+                options = cluster["typed_extension_protocol_options"][
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+                ]
+                options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] = (
+                    streams_per_connection
+                )
     return config
 
 

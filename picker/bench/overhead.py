@@ -5,6 +5,9 @@ Envoy (alone; with the picker in BUFFERED mode; with the picker in FULL_DUPLEX_S
 response phases, as the reference gateway runs), then for 2 KB and 64 KB bodies measures latency
 at a fixed open-loop rate (Python client) and the saturation rate (wrk, 64 connections).
 
+`--workers N` also runs a picker of N processes (`picker serve --workers N`) beside the one of a
+single process, in the same run; its CPU is that of all its processes.
+
 `--baseline-tree DIR` also runs the picker of another source tree (e.g. a `git worktree` of an
 earlier commit) through the same two picker variants, in the same run, to compare a change.
 """
@@ -28,9 +31,10 @@ from typing import Any
 import aiohttp
 
 from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
-from picker.bench.process import ManagedProcess, free_port, port_open
+from picker.bench.process import ManagedProcess, free_port, health_serving, port_open
 
 BODY_SIZES = {"2KB": 2048, "64KB": 65536}
+STREAMS_PER_CONNECTION = 4  # with --workers: 16 connections for wrk's 64, spread by the kernel
 
 
 def body_of(size: int) -> bytes:
@@ -109,24 +113,52 @@ def saturation(url: str, body_file: Path, seconds: int) -> tuple[float, int]:
     return (float(rate.group(1)) if rate else float("nan")), (int(sent.group(1)) if sent else 0)
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (the state is [0], the ppid [1])."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds a process and its live descendants have used so far (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = _stat(current)
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        todo += children.get(current, [])
+    return total
 
 
 def start_picker(
-    label: str, tree: Path | None, backend_port: int, tls: str, work: Path, processes: list[ManagedProcess]
+    label: str,
+    tree: Path | None,
+    backend_port: int,
+    tls: str,
+    work: Path,
+    processes: list[ManagedProcess],
+    workers: int = 1,
 ) -> tuple[ManagedProcess, int]:
-    """Start a picker (from `tree`'s sources when given) in front of the backend; it and its gRPC port."""
+    """Start a picker (from `tree`'s sources when given) of `workers` processes in front of the
+    backend; it and its gRPC port."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
     argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}"]
     argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
-    argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}"]
+    argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}", "--workers", str(workers)]
     picker = ManagedProcess(label, argv, work, env=env).start()
     processes.append(picker)
-    picker.wait_ready(lambda: port_open("127.0.0.1", metrics) and port_open("127.0.0.1", grpc_port))
+    # With workers, the health port answers SERVING only once all of them serve.
+    picker.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
     return picker, grpc_port
 
 
@@ -137,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saturation-seconds", type=int, default=8)
     parser.add_argument("--tls", default="true", choices=["true", "false"], help="TLS between Envoy and picker")
     parser.add_argument("--baseline-tree", type=Path, help="also run the picker of this source tree, side by side")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also run a picker of this many processes, side by side (N > 1)"
+    )
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
@@ -160,15 +195,28 @@ def main(argv: list[str] | None = None) -> int:
                 None,
             ),
         }
-        trees = {"picker": None} if args.baseline_tree is None else {"picker": None, "baseline": args.baseline_tree}
+        # label → (source tree, processes)
+        trees: dict[str, tuple[Path | None, int]] = {"picker": (None, 1)}
+        if args.workers > 1:
+            trees[f"picker x{args.workers}"] = (None, args.workers)
+        if args.baseline_tree is not None:
+            trees["baseline"] = (args.baseline_tree, 1)
         pickers = {
-            label: start_picker(label, tree, backend_port, args.tls, work, processes) for label, tree in trees.items()
+            label: start_picker(label.replace(" ", "-"), tree, backend_port, args.tls, work, processes, workers)
+            for label, (tree, workers) in trees.items()
         }
+        # Several connections for the workers to share; the same Envoy config for every picker.
+        streams_per_connection = STREAMS_PER_CONNECTION if args.workers > 1 else None
         # Interleaved by mode, so a change and its baseline meet the machine in the same state.
         for mode, name in (("buffered", "BUFFERED"), ("duplex", "FULL_DUPLEX + response")):
             for label, (picker, grpc_port) in pickers.items():
                 config = picker_config(
-                    mode, ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port()), tls=tls
+                    mode,
+                    ("127.0.0.1", free_port()),
+                    ("127.0.0.1", grpc_port),
+                    ("127.0.0.1", free_port()),
+                    tls=tls,
+                    streams_per_connection=streams_per_connection,
                 )
                 variants[f"{label} {name}"] = (config, picker)
         results: dict[str, dict[str, dict[str, float]]] = {}

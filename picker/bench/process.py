@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now."""
@@ -106,3 +109,13 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def health_serving(host: str, port: int) -> bool:
+    """Whether the gRPC health service at host:port answers SERVING (for the whole server: "")."""
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)

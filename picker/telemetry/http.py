@@ -50,12 +50,15 @@ def metrics_app(
     decisions: Callable[[], list[dict[str, Any]]] | None = None,
     config: Callable[[], dict[str, Any]] | None = None,
     reviewer: AccessReviewer | None = None,
+    exposition: Callable[[web.Request], Awaitable[bytes]] | None = None,
 ) -> web.Application:
     """An aiohttp app serving metrics; `decisions` (if given) backs GET /debug/decisions,
-    `config` (if given) GET /config, and `reviewer` (if given) guards every path."""
+    `config` (if given) GET /config, and `reviewer` (if given) guards every path.
+    `exposition` (if given) makes the /metrics page instead of this process's registry."""
 
-    async def serve_metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def serve_metrics(request: web.Request) -> web.Response:
+        body = await exposition(request) if exposition is not None else generate_latest()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(middlewares=[_access_middleware(reviewer)] if reviewer is not None else [])
     app.router.add_get("/metrics", serve_metrics)
@@ -79,4 +82,12 @@ async def start_metrics_server(app: web.Application, host: str, port: int) -> we
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def start_metrics_socket(app: web.Application, path: str) -> web.AppRunner:
+    """The metrics app on a unix socket: a worker's, read by its parent (`picker serve --workers`)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, path).start()
     return runner

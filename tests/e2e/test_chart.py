@@ -290,6 +290,20 @@ def test_several_replicas_elect_a_leader_and_probe_liveness_and_readiness(helm_b
     assert [r["metadata"]["name"] for r in by_kind(single, "Role")] == ["rel-epp"]
 
 
+def test_workers_pass_the_flag_and_refuse_several_replicas(helm_binary, helm_env, tmp_path) -> None:
+    assert "workers" not in flags(picker_docs(helm_binary, helm_env, tmp_path, {}))
+    assert flags(picker_docs(helm_binary, helm_env, tmp_path, {"inferenceExtension": {"workers": 2}}))["workers"] == "2"
+    values = values_file(tmp_path, {"inferenceExtension": {"workers": 2, "replicas": 2}})
+    both = subprocess.run(
+        [str(helm_binary), "template", "rel", str(CHART), "-f", str(values)],
+        env=helm_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert both.returncode != 0 and "inferenceExtension.workers > 1 needs replicas: 1" in both.stderr
+
+
 def test_flags_override_the_charts_own_and_keep_whole_numbers(helm_binary, helm_env, tmp_path) -> None:
     values = {"inferenceExtension": {"flags": {"v": 3, "max-body-bytes": 16777216, "tracing": True, "ratio": 0.5}}}
     rendered = flags(picker_docs(helm_binary, helm_env, tmp_path, values))

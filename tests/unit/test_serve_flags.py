@@ -15,7 +15,7 @@ import pytest
 from picker.config.runtime import RuntimeHolder
 from picker.datalayer.plugins import DataSource, ScrapeSettings, scrape_settings
 from picker.datastore.store import Datastore
-from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, log_settings
+from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, check_workers, log_settings
 from picker.telemetry.logging import TRACE, VERBOSE
 
 # The reference's flags, from its source: pkg/epp/server/options.go (AddFlags),
@@ -216,6 +216,8 @@ def test_flags_with_a_reference_default_of_true_keep_the_picker_starting() -> No
         (["--refresh-metrics-interval", "fast"], "--refresh-metrics-interval"),
         (["--tracing=maybe"], "--tracing"),
         (["--no-such-flag"], "--no-such-flag"),
+        (["--workers", "0"], "--workers: must be from 1 to 64"),
+        (["--workers", "two"], "--workers: expected a whole number"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
@@ -234,6 +236,14 @@ def test_leader_election_needs_a_lease_to_name(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("POD_NAME", "vllm-epp-5d8f7c9b4-x2x7q")
     elected = server("--endpoint-selector", "app=vllm", "--pool-namespace", "ns", "--ha-enable-leader-election")
     assert elected.lease_name == "epp-ns-vllm-epp.gateway-api-inference-extension.sigs.k8s.io"
+
+
+def test_workers_refuse_leader_election() -> None:
+    """The Lease is held by one process: several workers would each compete for it."""
+    args = build_parser().parse_args([*BASE, "--workers", "2", "--pool-name", "p", "--ha-enable-leader-election"])
+    with pytest.raises(FlagError, match="^--workers: leader election"):
+        check_workers(args)
+    check_workers(build_parser().parse_args([*BASE, "--workers", "2"]))
 
 
 def test_model_server_metrics_path_and_port_are_checked() -> None:
