@@ -224,6 +224,11 @@ def _block_removed(f: dict[str, Any], index: int) -> BlockRemoved:
 def _hashes(raw: Any, index: int) -> tuple[int, ...]:
     if not isinstance(raw, (list, tuple)):
         raise EventDecodeError(f"event {index}: block_hashes must be an array")
+    if all(type(h) is int for h in raw):
+        try:
+            return tuple(array("Q", raw))  # every hash already a uint64: the common case, in C
+        except OverflowError:
+            pass  # negative or wider ints: masked one by one
     return tuple(_hash(h, index) for h in raw)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Final
@@ -135,6 +135,8 @@ class PreciseIndex:
         self._max_scope_hints = max_scope_hints
         self._clock = clock
         self._top = max(weights.gpu, weights.cpu)
+        # Weight of every combination of tier bits, looked up per published key.
+        self._tier_weights = [weights.weight(tiers) for tiers in range((GPU | CPU | SPECULATIVE) + 1)]
         # own key -> the endpoints holding it (interned, see picker.prefix.holders), and for the
         # few keys some endpoint holds below the top weight (offloaded), {endpoint: weight}.
         self._where: dict[int, frozenset[str]] = {}
@@ -227,8 +229,7 @@ class PreciseIndex:
                 block = engine.get(h)
                 if block is not None:
                     engine[h] = _with_tiers(block, block[TIERS] | tier)
-                    for key in block[OWN_KEYS]:
-                        self._add(endpoint, cache, key, tier)
+                    self._add(endpoint, cache, block[OWN_KEYS], tier)
             return
         if event.parent_block_hash is None:
             parent_own = self._first_block_seed(endpoint, cache, event)
@@ -255,7 +256,7 @@ class PreciseIndex:
                         if old != key:
                             self._remove(endpoint, cache, old, previous[TIERS])
                 engine[h] = ((key,), tiers, key, (), ())
-                self._add(endpoint, cache, key, tier)
+            self._add(endpoint, cache, own, tier)
             self._bound_engine(cache)
             return
         if base and own:  # the first own block also covers the parent's tail blocks
@@ -294,8 +295,7 @@ class PreciseIndex:
                 block_tail,
                 block_tail_engine,
             )
-            for key in keys:
-                self._add(endpoint, cache, key, tier)
+            self._add(endpoint, cache, keys, tier)
             for j in range(start // own_size, min((end - 1) // own_size + 1, len(own))):
                 covers[j].append(h)
         self._record_covers(cache, own, covers)
@@ -341,7 +341,7 @@ class PreciseIndex:
                 for b, block in zip(covering, blocks):  # every covered block found: aligned
                     if key not in block[OWN_KEYS]:
                         engine[b] = _with_own_key(block, key)
-                self._add(endpoint, cache, key, tier)
+                self._add(endpoint, cache, (key,), tier)
 
     def _first_block_seed(self, endpoint: str, cache: _EndpointCache, event: BlockStored) -> int:
         scope = event.lora_name or cache.model
@@ -436,12 +436,14 @@ class PreciseIndex:
             return
         now = self._clock()
         self._expire(now)
+        held = cache.tiers
+        fresh = tuple(key for key in block_hashes if not held.get(key, 0) & GPU)  # the rest is cached already
+        if not fresh:
+            return
         deadline = now + self.speculative_ttl
-        speculative = cache.speculative
-        for key in block_hashes:
-            speculative[key] = deadline
-            self._add(endpoint, cache, key, SPECULATIVE)
-        self._expiries.append((deadline, endpoint, tuple(block_hashes)))
+        cache.speculative.update(dict.fromkeys(fresh, deadline))
+        self._add(endpoint, cache, fresh, SPECULATIVE)
+        self._expiries.append((deadline, endpoint, fresh))
 
     def record_scope(
         self,
@@ -483,12 +485,15 @@ class PreciseIndex:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
-        old = cache.tiers.pop(key, 0)
-        cache.tiers[key] = tiers = old | tier  # re-inserted: newest last
-        if tiers != old:
-            self._publish(endpoint, key, tiers)
-        if len(cache.tiers) > cache.capacity:
+    def _add(self, endpoint: str, cache: _EndpointCache, keys: Iterable[int], tier: int) -> None:
+        held = cache.tiers
+        publish = self._publish
+        for key in keys:
+            old = held.pop(key, 0)
+            held[key] = tiers = old | tier  # re-inserted: newest last
+            if tiers != old:
+                publish(endpoint, key, tiers)
+        if len(held) > cache.capacity:
             self._enforce_capacity(endpoint, cache)
 
     def _remove(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
@@ -511,7 +516,7 @@ class PreciseIndex:
         if tiers:
             if endpoint not in holders:
                 where[key] = self._holder_sets.add(holders, endpoint)
-            w = self.weights.weight(tiers)
+            w = self._tier_weights[tiers]
             if w < self._top:
                 self._below_top.setdefault(key, {})[endpoint] = w
                 return

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from picker.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored
-from picker.kvevents.precise import CPU, GPU, PreciseIndex, TierWeights
+from picker.kvevents.precise import CPU, GPU, SPECULATIVE, PreciseIndex, TierWeights
 from picker.prefix.hashing import chain_seed, token_block_hashes
 
 MODEL = "m"
@@ -134,6 +134,18 @@ def test_a_later_prediction_extends_an_earlier_one_and_eviction_overrides_it() -
     idx.apply(A, BlockRemoved(tuple(engine_hashes(PROMPT[:8], 4))))
     assert idx.score(keys, [A]) == [0.0]
     assert idx.own_keys(A) == {}
+
+
+def test_a_prediction_marks_only_blocks_the_engine_has_not_reported() -> None:
+    clock = Clock()
+    idx = index(speculative_ttl=2.0, clock=clock)
+    keys = own(PROMPT)
+    idx.apply(A, stored(PROMPT[:8]))  # the engine holds the first two blocks
+    idx.insert_speculative(A, keys[:4])
+    assert idx.own_keys(A) == {keys[0]: GPU, keys[1]: GPU, keys[2]: SPECULATIVE, keys[3]: SPECULATIVE}
+    assert idx.score(keys, [A]) == [0.5]
+    clock.now += 2.0
+    assert idx.score(keys, [A]) == [0.25]
 
 
 def test_capacity_evicts_the_oldest_entries() -> None:
