@@ -15,7 +15,7 @@ from picker.bench import workloads
 from picker.bench.runner import BenchPlan, bounds_of, run
 from picker.bench.systems import KINDS, FleetOptions, parse_systems
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
 # Flags that override one field of a workload spec: flag dest -> spec field.
 SPEC_FLAGS = {
     "shared-prefix": {
@@ -53,10 +53,34 @@ SPEC_FLAGS = {
         "one_off_share": "one_off_share",
         "one_off_len": "one_off_len",
     },
+    "multi-tenant": {
+        "tenants": "tenants",
+        "prefixes": "prefixes",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "burst_rate": "burst_rate",
+        "burst_start": "burst_start",
+        "burst_end": "burst_end",
+    },
 }
 # Spec fields for which 0 is a meaningful value (no pause, uniform popularity, no one-offs).
-ZERO_ALLOWED = ("think_time_s", "group_skew", "application_skew", "turns_exponent", "think_scale", "one_off_share")
-WorkloadSpec = workloads.SharedPrefixSpec | workloads.MultiTurnSpec | workloads.LongDocSpec | workloads.ConversationSpec
+ZERO_ALLOWED = (
+    "think_time_s",
+    "group_skew",
+    "application_skew",
+    "turns_exponent",
+    "think_scale",
+    "one_off_share",
+    "burst_start",
+)
+WorkloadSpec = (
+    workloads.SharedPrefixSpec
+    | workloads.MultiTurnSpec
+    | workloads.LongDocSpec
+    | workloads.ConversationSpec
+    | workloads.MultiTenantSpec
+)
 # Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
 # to hold every shared prefix on every pod, so where a request goes decides whether it hits.
 DEFAULT_SPECS: dict[str, WorkloadSpec] = {
@@ -70,11 +94,16 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     # Published shapes (see ConversationSpec), pauses and one-offs scaled so that at 10 req/s one
     # pod's cache cannot hold the live conversations while the 4 pods' caches together can.
     "conversation": workloads.ConversationSpec(),
+    # Two quiet tenants, a critical one and a noisy one bursting at 12 req/s for 60% of the run:
+    # sized for `--pods 2 --max-num-seqs 4 --time-scale 0.25`, where the pool serves about 3.7 req/s
+    # (the steady tenants use 40% of it, the burst 3x). Give `--max-concurrency` room for the
+    # burst's backlog (e.g. 2000): at the cap the client itself queues every tenant's requests.
+    "multi-tenant": workloads.MultiTenantSpec(),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
 GENERATED_NUM_GPU_BLOCKS = 2048
 DEFAULT_DURATION_S = 60.0
-DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0}
+DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0, "multi-tenant": 1.2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--think-scale", float),
         ("--one-off-share", float),
         ("--one-off-len", int),
+        ("--tenants", int),
+        ("--prefixes", int),
+        ("--burst-rate", float),
+        ("--burst-start", float),
+        ("--burst-end", float),
     ):
         spec.add_argument(flag, type=kind)
     spec.add_argument(
@@ -187,6 +221,8 @@ def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: 
         return workloads.multi_turn(spec, rate, duration_s, seed)
     if isinstance(spec, workloads.ConversationSpec):
         return workloads.conversation(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.MultiTenantSpec):
+        return workloads.multi_tenant(spec, rate, duration_s, seed)
     return workloads.long_doc(spec, rate, duration_s, seed)
 
 
@@ -208,6 +244,8 @@ def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Sessio
         spec = dataclasses.replace(spec, **overrides)
         rate = args.rate or DEFAULT_RATES[args.workload]
         settings = {"rate": rate, "duration_s": duration, "seed": args.seed, **dataclasses.asdict(spec)}
+        if isinstance(spec, workloads.MultiTenantSpec):
+            settings["objectives"] = workloads.TENANT_OBJECTIVES
         return args.workload, generate_sessions(spec, rate, duration, args.seed), settings
     path = Path(args.workload)
     if not path.is_file():
@@ -260,6 +298,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         args.drain_timeout,
         plots=not args.no_plots,
         settings=tuple(settings.items()),
+        objectives=tuple(workloads.TENANT_OBJECTIVES.items()) if "objectives" in settings else (),
     )
 
 

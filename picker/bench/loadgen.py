@@ -38,6 +38,8 @@ class RequestResult:
     output_tokens: int
     pod: str | None
     error: str | None
+    tenant: str | None = None  # the prompt's fairness id and objective, when it names them
+    objective: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ def _has_content(chunk: dict[str, Any]) -> bool:
 
 
 async def _send(
-    http: aiohttp.ClientSession, url: str, body: bytes, session: int, turn: int, due: float, t0: float
+    http: aiohttp.ClientSession, url: str, prompt: Prompt, body: bytes, session: int, turn: int, due: float, t0: float
 ) -> RequestResult:
     """One streaming request; never raises (failures become `error`)."""
     ttft = None
@@ -102,10 +104,13 @@ async def _send(
             int((usage or {}).get("completion_tokens") or 0),
             pod,
             error,
+            prompt.tenant,
+            prompt.objective,
         )
 
+    headers = {"content-type": "application/json", **prompt.headers()}
     try:
-        async with http.post(url, data=body, headers={"content-type": "application/json"}) as resp:
+        async with http.post(url, data=body, headers=headers) as resp:
             pod = resp.headers.get(POD_HEADER)
             if resp.status != 200:
                 text = (await resp.text())[:200]
@@ -157,12 +162,16 @@ async def run_load(
                     if progress:
                         progress.in_flight += 1
                     try:
-                        outcome = await _send(http, options.base_url + path, body, index, turn, due, t0)
+                        outcome = await _send(http, options.base_url + path, prompt, body, index, turn, due, t0)
                     finally:
                         if progress:
                             progress.in_flight -= 1
             except asyncio.CancelledError:
-                record(RequestResult(index, turn, due - t0, None, None, 0, 0, 0, None, UNFINISHED))
+                record(
+                    RequestResult(
+                        index, turn, due - t0, None, None, 0, 0, 0, None, UNFINISHED, prompt.tenant, prompt.objective
+                    )
+                )
                 raise
             record(outcome)
             if outcome.error is not None:

@@ -10,6 +10,8 @@ single process, in the same run; its CPU is that of all its processes.
 
 `--baseline-tree DIR` also runs the picker of another source tree (e.g. a `git worktree` of an
 earlier commit) through the same two picker variants, in the same run, to compare a change.
+`--picker-config LABEL=FILE` (repeatable) also runs a picker with that EndpointPickerConfig, named
+`picker:LABEL`, the same way (e.g. the flowControl gate on and off).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from picker.bench.cli import parse_picker_configs
 from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
 from picker.bench.process import ManagedProcess, free_port, health_serving, port_open
 
@@ -147,14 +150,17 @@ def start_picker(
     work: Path,
     processes: list[ManagedProcess],
     workers: int = 1,
+    config: Path | None = None,
 ) -> tuple[ManagedProcess, int]:
-    """Start a picker (from `tree`'s sources when given) of `workers` processes in front of the
-    backend; it and its gRPC port."""
+    """Start a picker (from `tree`'s sources when given, with `config` when given) of `workers`
+    processes in front of the backend; it and its gRPC port."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
     argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}"]
     argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
     argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}", "--workers", str(workers)]
+    if config is not None:
+        argv += ["--config-file", str(config)]
     picker = ManagedProcess(label, argv, work, env=env).start()
     processes.append(picker)
     # With workers, the health port answers SERVING only once all of them serve.
@@ -172,7 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="also run a picker of this many processes, side by side (N > 1)"
     )
+    parser.add_argument(
+        "--picker-config",
+        action="append",
+        default=[],
+        metavar="LABEL=FILE",
+        help="also run a picker with this EndpointPickerConfig, as picker:LABEL; repeatable",
+    )
     args = parser.parse_args(argv)
+    try:
+        configs = parse_picker_configs(args.picker_config)
+    except ValueError as e:
+        parser.error(str(e))
+    if "" in configs:
+        parser.error("--picker-config needs a label: LABEL=FILE")
     if shutil.which("wrk") is None:
         print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
         return 2
@@ -195,15 +214,25 @@ def main(argv: list[str] | None = None) -> int:
                 None,
             ),
         }
-        # label → (source tree, processes)
-        trees: dict[str, tuple[Path | None, int]] = {"picker": (None, 1)}
+        # label → (source tree, processes, config); None: this tree, the default config
+        trees: dict[str, tuple[Path | None, int, Path | None]] = {"picker": (None, 1, None)}
         if args.workers > 1:
-            trees[f"picker x{args.workers}"] = (None, args.workers)
+            trees[f"picker x{args.workers}"] = (None, args.workers, None)
         if args.baseline_tree is not None:
-            trees["baseline"] = (args.baseline_tree, 1)
+            trees["baseline"] = (args.baseline_tree, 1, None)
+        trees.update({f"picker:{label}": (None, 1, config) for label, config in configs.items()})
         pickers = {
-            label: start_picker(label.replace(" ", "-"), tree, backend_port, args.tls, work, processes, workers)
-            for label, (tree, workers) in trees.items()
+            label: start_picker(
+                label.replace(" ", "-").replace(":", "-"),
+                tree,
+                backend_port,
+                args.tls,
+                work,
+                processes,
+                workers,
+                config,
+            )
+            for label, (tree, workers, config) in trees.items()
         }
         # Several connections for the workers to share; the same Envoy config for every picker.
         streams_per_connection = STREAMS_PER_CONNECTION if args.workers > 1 else None

@@ -101,9 +101,57 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def tenant_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-tenant table: each system's tenants and their objectives'
+    priorities (from the workload's `objectives` setting); no rows when no request named a tenant."""
+    header = [
+        "system",
+        "tenant",
+        "objective (priority)",
+        "sent",
+        "served",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "E2E p50 ms",
+        "E2E p90 ms",
+        "goodput tok/s",
+        "429",
+        "503",
+        "other errors",
+    ]
+    priorities = report.settings.get("objectives") or {}
+    rows = []
+    for name, r in report.systems.items():
+        for t in r.tenants:
+            objective = "-" if t.objective is None else f"{t.objective} ({priorities.get(t.objective, '?')})"
+            rows.append(
+                [
+                    name,
+                    t.tenant,
+                    objective,
+                    str(t.sent),
+                    str(t.served),
+                    _ms(t.ttft_p50_s),
+                    _ms(t.ttft_p90_s),
+                    _ms(t.e2e_p50_s),
+                    _ms(t.e2e_p90_s),
+                    f"{t.goodput_tokens_per_s:.0f}",
+                    str(t.rejected),
+                    str(t.expired),
+                    str(t.other_errors),
+                ]
+            )
+    return header, rows
+
+
 def terminal_table(report: BenchReport) -> str:
-    """A plain aligned table for the terminal."""
-    header, rows = table_rows(report)
+    """A plain aligned table for the terminal, and the per-tenant one when there are tenants."""
+    text = _aligned(*table_rows(report))
+    header, rows = tenant_rows(report)
+    return text + ("\n\n" + _aligned(header, rows) if rows else "")
+
+
+def _aligned(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -184,6 +232,25 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
             "`inference_extension_scheduler_e2e_duration_seconds` median bucket."
         ),
         "",
+    ]
+    header, rows = tenant_rows(report)
+    if rows:
+        out += [
+            "## Per tenant and priority",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows),
+            "",
+            (
+                "Goodput = output tokens of the tenant's served requests per second of the system's whole run "
+                "(first arrival to last answer), so the tenants' goodputs add up to the system's out tok/s. "
+                "429: rejected (flow-control queue full, or shed); 503: expired in the flow-control queue (TTL) "
+                "or no endpoint."
+            ),
+            "",
+        ]
+    out += [
         "## Requests per pod",
         "",
     ]

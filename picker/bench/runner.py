@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import yaml
+
 from picker.bench import progress as live
 from picker.bench import report as reports
 from picker.bench.attribution import attribute
@@ -42,6 +44,7 @@ class BenchPlan:
     drain_timeout_s: float = 60.0
     plots: bool = True
     settings: tuple[tuple[str, object], ...] = ()  # workload knobs, recorded in results.json
+    objectives: tuple[tuple[str, int], ...] = ()  # the workload's InferenceObjectives: name, priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,11 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
     logs = plan.out_dir / "logs"
     shutil.rmtree(logs, ignore_errors=True)  # readiness is read from the logs: never from an earlier run's
     launcher = Launcher(logs, pids)
+    objectives = None
+    if plan.objectives:
+        logs.mkdir(parents=True)
+        objectives = logs / "objectives.yaml"
+        objectives.write_text(yaml.safe_dump(dict(plan.objectives)))
     blocks = prompt_blocks(plan.sessions, plan.fleet.block_size)
     bounds = bounds_of(plan.sessions, plan.fleet, blocks)
     fleet = plan.fleet
@@ -145,7 +153,7 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
         for index, spec in enumerate(plan.systems):
             tag = f"{index}-{spec.kind}"
             try:
-                report.systems[spec.name] = _measure(spec, plan, fleet, launcher, tag, requests, blocks)
+                report.systems[spec.name] = _measure(spec, plan, fleet, launcher, tag, requests, blocks, objectives)
             except (RuntimeError, TimeoutError, OSError) as e:
                 report.failures[spec.name] = str(e)
                 log(f"{spec.name}: could not be measured: {e}")
@@ -166,11 +174,12 @@ def _measure(
     tag: str,
     requests: int,
     blocks: Sequence[Sequence[PromptBlocks]],
+    objectives: Path | None,
 ) -> SystemResult:
     """One system: a cold fleet, the system in front of it, the whole workload, the numbers and
     where its prompt tokens' cache hits went (`picker.bench.attribution`)."""
     _, pods = start_fleet(fleet, launcher, tag)
-    gateway = start_system(spec, pods, launcher, tag)
+    gateway = start_system(spec, pods, launcher, tag, objectives)
     options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
     counters = Progress(requests)
 

@@ -33,6 +33,24 @@ class DecisionTime:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantResult:
+    """The requests of one tenant (fairness id) with one objective (priority)."""
+
+    tenant: str
+    objective: str | None
+    sent: int
+    served: int
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    e2e_p50_s: float | None
+    e2e_p90_s: float | None
+    goodput_tokens_per_s: float  # output tokens of its served requests per second of the whole run
+    rejected: int  # 429: no room in the flow-control queue, or shed
+    expired: int  # 503: past the flow-control TTL, or no endpoint
+    other_errors: int  # anything else, unfinished requests included
+
+
+@dataclass(frozen=True, slots=True)
 class SystemResult:
     """One system's measures; `results.json` carries these under the system's name."""
 
@@ -56,6 +74,7 @@ class SystemResult:
     error_kinds: dict[str, int] = field(default_factory=dict)
     ttfts_s: tuple[float, ...] = ()  # every successful request's TTFT, for the CDF plot
     attribution: Attribution | None = None  # where the prompt tokens' cache hits went
+    tenants: tuple[TenantResult, ...] = ()  # per tenant and objective, for workloads that name them
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""
@@ -107,7 +126,42 @@ def summarize(
         decision_time=decision_time,
         error_kinds=dict(kinds),
         ttfts_s=tuple(sorted(ttfts)),
+        tenants=per_tenant(results, wall),
     )
+
+
+def per_tenant(results: Sequence[RequestResult], wall_s: float) -> tuple[TenantResult, ...]:
+    """The results of each (tenant, objective), sorted by name; none for requests without a
+    tenant. Goodput divides by the whole run's `wall_s`, so the tenants' goodputs add up."""
+    groups: dict[tuple[str, str | None], list[RequestResult]] = {}
+    for r in results:
+        if r.tenant is not None:
+            groups.setdefault((r.tenant, r.objective), []).append(r)
+    out = []
+    for (tenant, objective), group in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] or "")):
+        ok = [r for r in group if r.error is None]
+        kinds = Counter(_error_kind(r.error) for r in group if r.error is not None)
+        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+        output = sum(r.output_tokens for r in ok)
+        rejected, expired = kinds.pop("HTTP 429", 0), kinds.pop("HTTP 503", 0)
+        out.append(
+            TenantResult(
+                tenant,
+                objective,
+                sent=len(group),
+                served=len(ok),
+                ttft_p50_s=percentile(ttfts, 50),
+                ttft_p90_s=percentile(ttfts, 90),
+                e2e_p50_s=percentile(e2es, 50),
+                e2e_p90_s=percentile(e2es, 90),
+                goodput_tokens_per_s=output / wall_s if wall_s > 0 else 0.0,
+                rejected=rejected,
+                expired=expired,
+                other_errors=sum(kinds.values()),
+            )
+        )
+    return tuple(out)
 
 
 def _error_kind(error: str) -> str:

@@ -222,8 +222,11 @@ class Gateway:
             return None
 
 
-def start_system(spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str) -> Gateway:
-    """Start `spec` in front of `pods` and wait until it accepts requests."""
+def start_system(
+    spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str, objectives: Path | None = None
+) -> Gateway:
+    """Start `spec` in front of `pods` and wait until it accepts requests; a picker reads the
+    workload's InferenceObjectives (priorities) from `objectives`."""
     log_dir = launcher.log_dir
     backends = [pod.address for pod in pods]
     admin = (HOST, free_port())
@@ -254,6 +257,8 @@ def start_system(spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher,
         ]
         if spec.config_file:
             argv += ["--config-file", str(spec.config_file)]
+        if objectives:
+            argv += ["--objectives-file", str(objectives)]
         picker = launcher.start(ManagedProcess(f"picker-{tag}", argv, log_dir))
         metrics_url = f"http://{HOST}:{metrics}/metrics"
         picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)

@@ -7,6 +7,9 @@ and arrival times, so every system under test sees exactly the same load.
 
 Conversations carry a session key, sent as OpenAI's `prompt_cache_key` body field: the name a
 client gives its conversation so the server (here, the router) can keep its turns together.
+Multi-tenant requests carry their tenant (the `x-gateway-inference-fairness-id` header: the flow
+that flow control keeps fair) and their InferenceObjective (`x-gateway-inference-objective`: the
+priority).
 
 Texts are made of words from `VOCAB`, each exactly one token of the simulator's built-in word
 tokenizer (`picker.prefix.builtin_tokenizer`), so a workload's token counts and block boundaries are exact.
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from picker.prefix.builtin_tokenizer import encode, render_chat
+from picker.request.openai import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
 from picker.sim.engine import answer_text
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces hash prompts in blocks of 512 tokens
@@ -66,6 +70,8 @@ class Prompt:
     input_length: int = 0
     trace_seed: int = 0
     session_key: str | None = None
+    tenant: str | None = None  # the fairness id
+    objective: str | None = None  # the InferenceObjective naming the priority
 
     @property
     def api(self) -> str:
@@ -87,6 +93,15 @@ class Prompt:
         if self.session_key is not None:
             fields["prompt_cache_key"] = self.session_key
         return fields
+
+    def headers(self) -> dict[str, str]:
+        """The request headers naming its tenant and objective, when it has them."""
+        headers = {}
+        if self.tenant is not None:
+            headers[FAIRNESS_ID_HEADER] = self.tenant
+        if self.objective is not None:
+            headers[OBJECTIVE_HEADER] = self.objective
+        return headers
 
     def token_ids(self) -> list[int]:
         """The prompt tokens the simulator will see (its built-in tokenizer and chat template)."""
@@ -338,6 +353,60 @@ def conversation(spec: ConversationSpec, rate: float, duration_s: float, seed: i
             prompts.append(prompt)
             history.append(("assistant", answer_text(prompt.token_ids(), answer)))
         sessions.append(Session(t, tuple(prompts), tuple(think[: kept - 1])))
+    return sessions
+
+
+# The InferenceObjectives of the multi-tenant workload: name -> priority.
+TENANT_OBJECTIVES = {"critical": 10, "standard": 0}
+NOISY_TENANT = "noisy"
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTenantSpec:
+    """Tenants sharing one pool, one of them bursting far beyond its capacity.
+
+    Each tenant has its own fairness id and its own `prefixes` system prompts of
+    `system_prompt_len` tokens, each request one of them (uniformly) plus a fresh question. The
+    steady tenants send `rate` requests/s together, evenly, from start to end: `tenant-0` with the
+    `critical` objective (priority 10) when `critical` is set, the others (the *quiet* tenants)
+    `standard` (priority 0). The noisy tenant, also `standard` (the same priority band as the quiet
+    ones, so only a fairness policy can protect them), sends a steady tenant's share outside its
+    burst and `burst_rate` requests/s during it: from `burst_start` to `burst_end`, fractions of the
+    run's duration.
+    """
+
+    tenants: int = 3
+    critical: bool = True
+    prefixes: int = 2
+    system_prompt_len: int = 1024
+    question_len: int = 64
+    output_len: int = 64
+    burst_rate: float = 12.0
+    burst_start: float = 0.2
+    burst_end: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.burst_start < self.burst_end <= 1:
+            raise ValueError("the burst must satisfy 0 <= burst_start < burst_end <= 1")
+
+
+def multi_tenant(spec: MultiTenantSpec, rate: float, duration_s: float, seed: int) -> list[Session]:
+    """The steady tenants' and the noisy tenant's requests (`MultiTenantSpec`), by arrival time."""
+    rng = random.Random(seed)
+    share = rate / spec.tenants
+    names = [f"tenant-{i}" for i in range(spec.tenants)] + [NOISY_TENANT]
+    systems = {name: [words(rng, spec.system_prompt_len) for _ in range(spec.prefixes)] for name in names}
+    arrivals: list[tuple[float, str]] = []
+    for name in names[:-1]:
+        arrivals += [(t, name) for t in poisson_arrivals(rng, share, duration_s)]
+    start, end = spec.burst_start * duration_s, spec.burst_end * duration_s
+    arrivals += [(t, NOISY_TENANT) for t in poisson_arrivals(rng, share, duration_s) if not start <= t < end]
+    arrivals += [(start + t, NOISY_TENANT) for t in poisson_arrivals(rng, spec.burst_rate, end - start)]
+    sessions = []
+    for t, name in sorted(arrivals):
+        objective = "critical" if spec.critical and name == "tenant-0" else "standard"
+        messages = (("system", rng.choice(systems[name])), ("user", words(rng, spec.question_len)))
+        sessions.append(Session(t, (Prompt(spec.output_len, messages, tenant=name, objective=objective),)))
     return sessions
 
 

@@ -25,6 +25,7 @@ class RecordingServer:
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
         self.arrivals: list[float] = []
         self.hang = False
         self.release = asyncio.Event()  # set at teardown so hanging handlers end
@@ -32,6 +33,7 @@ class RecordingServer:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         self.arrivals.append(time.monotonic())
         if "fail" in json.dumps(body):
             return web.json_response({"error": {"message": "boom"}}, status=500)
@@ -132,6 +134,19 @@ async def test_session_keys_reach_the_server_in_the_body(server) -> None:
     for body in rec.bodies:
         sent = tuple((m["role"], m["content"]) for m in body["messages"])
         assert body.get("prompt_cache_key") == key_of[sent]
+
+
+async def test_tenants_and_objectives_reach_the_server_in_headers(server) -> None:
+    rec, url = server
+    spec = w.MultiTenantSpec(tenants=2, system_prompt_len=8, question_len=4, output_len=2, burst_rate=20.0)
+    sessions = w.multi_tenant(spec, rate=20.0, duration_s=1.0, seed=1)
+    sent = {p.messages: (p.tenant, p.objective) for p in w.all_prompts(sessions)}
+    results = await run_load(sessions, LoadOptions(url, "m"))
+    assert len(results) == len(sent) and all(r.error is None for r in results)
+    assert {(r.tenant, r.objective) for r in results} == set(sent.values())
+    for body, headers in zip(rec.bodies, rec.headers, strict=True):
+        prompt = tuple((m["role"], m["content"]) for m in body["messages"])
+        assert (headers["x-gateway-inference-fairness-id"], headers["x-gateway-inference-objective"]) == sent[prompt]
 
 
 async def test_errors_and_unfinished_requests_are_counted(server) -> None:
