@@ -193,20 +193,21 @@ def start_picker(
     work: Path,
     processes: list[ManagedProcess],
     workers: int = 1,
-) -> tuple[ManagedProcess, int]:
+) -> tuple[ManagedProcess, int, float]:
     """Start a picker (from `tree`'s sources when given) of `workers` processes in front of the
-    backend; it and its gRPC port."""
+    backend; it, its gRPC port and the seconds from process start to SERVING."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
     endpoints = ",".join(f"127.0.0.1:{port}" for port in backend_ports)
     argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", endpoints]
     argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
     argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}", "--workers", str(workers)]
+    started = time.monotonic()
     picker = ManagedProcess(label, argv, work, env=env).start()
     processes.append(picker)
     # With workers, the health port answers SERVING only once all of them serve.
     picker.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
-    return picker, grpc_port
+    return picker, grpc_port, time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,14 +271,19 @@ def main(argv: list[str] | None = None) -> int:
             label: start_picker(label.replace(" ", "-"), tree, backend_ports, args.tls, work, processes, workers)
             for label, (tree, workers) in trees.items()
         }
+        # Start to SERVING (polled every 20 ms or so), one start each on a shared machine.
+        startup = {label: seconds for label, (_, _, seconds) in pickers.items()}
         if args.reference_epp is not None:
             reference = ReferenceEpp(args.reference_epp, "127.0.0.1", backend_ports, tls, work)
             reference.start()
+            startup["reference EPP"] = reference.startup_seconds
+        for label, seconds in startup.items():
+            print(f"{label:32} start to SERVING {seconds:.2f} s", flush=True)
         # Several connections for the workers to share; the same Envoy config for every picker.
         streams_per_connection = STREAMS_PER_CONNECTION if args.workers > 1 else None
         # Interleaved by mode, so a change and its baseline meet the machine in the same state.
         for mode, name in (("buffered", "BUFFERED"), ("duplex", "FULL_DUPLEX + response")):
-            for label, (picker, grpc_port) in pickers.items():
+            for label, (picker, grpc_port, _) in pickers.items():
                 config = picker_config(
                     mode,
                     ("127.0.0.1", free_port()),
@@ -351,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
             print("|---|---|---|")
             for name, cost in chunk_costs.items():
                 print(f"| {name} | {cost.messages_per_request:.0f} | {cost.cpu_us_per_chunk:.1f} |")
-        summary = {"variants": results, "chunk_cost": {name: asdict(cost) for name, cost in chunk_costs.items()}}
+        summary = {
+            "variants": results,
+            "chunk_cost": {name: asdict(cost) for name, cost in chunk_costs.items()},
+            "start_to_serving_seconds": startup,
+        }
         (work / "results.json").write_text(json.dumps(summary, indent=2))
         print(f"\nresults: {work / 'results.json'}")
     finally:

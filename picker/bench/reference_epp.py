@@ -11,6 +11,7 @@ validation forbids.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class ReferenceEpp:
         self.grpc_port = free_port()
         self.cluster: KubeCluster | None = None
         self.process: ManagedProcess | None = None
+        self.startup_seconds = float("nan")  # from process start to SERVING, once started
 
     def start(self) -> ReferenceEpp:
         self.cluster = KubeCluster()
@@ -79,10 +81,12 @@ class ReferenceEpp:
             "--metrics-endpoint-auth=false",
         ]
         env = {**os.environ, "KUBECONFIG": str(self.cluster.admin_kubeconfig)}
+        started = time.monotonic()
         self.process = ManagedProcess("reference-epp", argv, self.log_dir, env=env).start()
         self.process.wait_ready(
             lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", self.grpc_port), timeout=60
         )
+        self.startup_seconds = time.monotonic() - started
         return self
 
     @property
