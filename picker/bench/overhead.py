@@ -12,6 +12,17 @@ single process, in the same run; its CPU is that of all its processes.
 earlier commit) through the same two picker variants, in the same run, to compare a change.
 `--picker-config LABEL=FILE` (repeatable) also runs a picker with that EndpointPickerConfig, named
 `picker:LABEL`, the same way (e.g. the flowControl gate on and off).
+
+`--reference-epp PATH` also runs the reference EPP v1.5.0 binary at PATH (`--enable-pprof=false`)
+in FULL_DUPLEX_STREAMED mode with response phases, the only mode it answers, over a real
+kube-apiserver + etcd (`picker.bench.reference_epp`).
+
+`--endpoints N` gives the backend N ports, so every picker chooses among N endpoints.
+
+Every FULL_DUPLEX variant is also measured with streamed responses (`--stream-chunks`, 256 SSE
+events per answer, one word each, written separately): at `--stream-rate` req/s, once with plain
+answers and once streamed, the extra CPU of the picker divided by the extra ext_proc messages
+Envoy sent (from its stats) is the CPU per passed-through response chunk.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +46,21 @@ import aiohttp
 from picker.bench.cli import parse_picker_configs
 from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
 from picker.bench.process import ManagedProcess, free_port, health_serving, port_open
+from picker.bench.reference_epp import MAX_TARGET_PORTS, ReferenceEpp
 
 BODY_SIZES = {"2KB": 2048, "64KB": 65536}
 STREAMS_PER_CONNECTION = 4  # with --workers: 16 connections for wrk's 64, spread by the kernel
 
 
-def body_of(size: int) -> bytes:
-    """A completions request of exactly `size` bytes."""
-    head, tail = b'{"model":"m","max_tokens":1,"prompt":"', b'"}'
+EXT_PROC_MESSAGES = "http.inference_gateway.ext_proc.stream_msgs_sent"  # gateway.yaml's stat prefix
+
+
+def body_of(size: int, stream_chunks: int = 0) -> bytes:
+    """A completions request of exactly `size` bytes; streamed with `stream_chunks` events if > 0."""
+    head = b'{"model":"m","max_tokens":1,"prompt":"'
+    if stream_chunks:
+        head = b'{"model":"m","stream":true,"max_tokens":%d,"prompt":"' % stream_chunks
+    tail = b'"}'
     return head + b"x" * (size - len(head) - len(tail)) + tail
 
 
@@ -142,30 +160,61 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkCost:
+    """What a passed-through response chunk costs: the extra CPU and ext_proc messages of
+    streamed answers over plain ones, at the same rate."""
+
+    messages_per_request: float  # extra ext_proc messages per streamed answer
+    cpu_us_per_chunk: float
+    errors: int
+
+
+def chunk_cost(
+    envoy: EnvoyProcess, url: str, pid: int, rate: float, seconds: float, size: int, chunks: int
+) -> ChunkCost:
+    """Plain answers, then answers streamed in `chunks` SSE events, at `rate` for `seconds` each."""
+    per_request: list[tuple[float, float]] = []  # (CPU s, Envoy→picker messages) per request
+    errors = 0
+    for body in (body_of(size), body_of(size, chunks)):
+        asyncio.run(fixed_rate(url, body, rate, 1.0))  # warm-up
+        cpu, messages = cpu_seconds(pid), envoy.stat(EXT_PROC_MESSAGES)
+        result = asyncio.run(fixed_rate(url, body, rate, seconds))
+        requests = int(rate * seconds)
+        per_request.append(((cpu_seconds(pid) - cpu) / requests, (envoy.stat(EXT_PROC_MESSAGES) - messages) / requests))
+        errors += result.errors
+    (plain_cpu, plain_messages), (streamed_cpu, streamed_messages) = per_request
+    extra = streamed_messages - plain_messages
+    return ChunkCost(extra, (streamed_cpu - plain_cpu) / max(extra, 1e-9) * 1e6, errors)
+
+
 def start_picker(
     label: str,
     tree: Path | None,
-    backend_port: int,
+    backend_ports: list[int],
     tls: str,
     work: Path,
     processes: list[ManagedProcess],
     workers: int = 1,
     config: Path | None = None,
-) -> tuple[ManagedProcess, int]:
+) -> tuple[ManagedProcess, int, float]:
     """Start a picker (from `tree`'s sources when given, with `config` when given) of `workers`
-    processes in front of the backend; it and its gRPC port."""
+    processes in front of the backend; it, its gRPC port and the seconds from process start to
+    SERVING."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", f"127.0.0.1:{backend_port}"]
+    endpoints = ",".join(f"127.0.0.1:{port}" for port in backend_ports)
+    argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", endpoints]
     argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
     argv += ["--metrics-port", str(metrics), f"--secure-serving={tls}", "--workers", str(workers)]
     if config is not None:
         argv += ["--config-file", str(config)]
+    started = time.monotonic()
     picker = ManagedProcess(label, argv, work, env=env).start()
     processes.append(picker)
     # With workers, the health port answers SERVING only once all of them serve.
     picker.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
-    return picker, grpc_port
+    return picker, grpc_port, time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL=FILE",
         help="also run a picker with this EndpointPickerConfig, as picker:LABEL; repeatable",
     )
+    parser.add_argument(
+        "--reference-epp", type=Path, help="also run the reference EPP binary at this path (duplex), side by side"
+    )
+    parser.add_argument("--endpoints", type=int, default=1, help="backend ports = endpoints to choose among")
+    parser.add_argument("--stream-chunks", type=int, default=256, help="SSE events per streamed answer; 0: skip")
+    parser.add_argument("--stream-rate", type=float, default=20.0, help="req/s of the streamed-response runs")
     args = parser.parse_args(argv)
     try:
         configs = parse_picker_configs(args.picker_config)
@@ -195,21 +250,33 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
         return 2
+    if args.endpoints < 1 or args.stream_chunks < 0 or args.stream_rate <= 0:
+        parser.error("--endpoints must be at least 1, --stream-chunks at least 0, --stream-rate positive")
+    if args.reference_epp is not None and not os.access(args.reference_epp, os.X_OK):
+        parser.error(f"--reference-epp {args.reference_epp}: not an executable file")
+    if args.reference_epp is not None and args.endpoints > MAX_TARGET_PORTS:
+        parser.error(f"--reference-epp takes at most {MAX_TARGET_PORTS} --endpoints (an InferencePool's limit)")
     tls = args.tls == "true"
     work = Path(tempfile.mkdtemp(prefix="picker-overhead-"))
     processes: list[ManagedProcess] = []
+    reference: ReferenceEpp | None = None
     try:
-        backend_port = free_port()
+        backend_ports = [free_port() for _ in range(args.endpoints)]
         backend = ManagedProcess(
-            "backend", [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", str(backend_port)], work
+            "backend",
+            [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", *map(str, backend_ports)],
+            work,
         ).start()
         processes.append(backend)
-        backend.wait_ready(lambda: port_open("127.0.0.1", backend_port))
-        # name → (Envoy config, the picker it calls, if any)
-        variants: dict[str, tuple[dict[str, Any], ManagedProcess | None]] = {
+        backend.wait_ready(lambda: all(port_open("127.0.0.1", port) for port in backend_ports))
+        # name → (Envoy config, the PID of the picker it calls, if any)
+        variants: dict[str, tuple[dict[str, Any], int | None]] = {
             "envoy alone": (
                 baseline_config(
-                    "round-robin", ("127.0.0.1", free_port()), [f"127.0.0.1:{backend_port}"], ("127.0.0.1", free_port())
+                    "round-robin",
+                    ("127.0.0.1", free_port()),
+                    [f"127.0.0.1:{port}" for port in backend_ports],
+                    ("127.0.0.1", free_port()),
                 ),
                 None,
             ),
@@ -225,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             label: start_picker(
                 label.replace(" ", "-").replace(":", "-"),
                 tree,
-                backend_port,
+                backend_ports,
                 args.tls,
                 work,
                 processes,
@@ -234,11 +301,19 @@ def main(argv: list[str] | None = None) -> int:
             )
             for label, (tree, workers, config) in trees.items()
         }
+        # Start to SERVING (polled every 20 ms or so), one start each on a shared machine.
+        startup = {label: seconds for label, (_, _, seconds) in pickers.items()}
+        if args.reference_epp is not None:
+            reference = ReferenceEpp(args.reference_epp, "127.0.0.1", backend_ports, tls, work)
+            reference.start()
+            startup["reference EPP"] = reference.startup_seconds
+        for label, seconds in startup.items():
+            print(f"{label:32} start to SERVING {seconds:.2f} s", flush=True)
         # Several connections for the workers to share; the same Envoy config for every picker.
         streams_per_connection = STREAMS_PER_CONNECTION if args.workers > 1 else None
         # Interleaved by mode, so a change and its baseline meet the machine in the same state.
         for mode, name in (("buffered", "BUFFERED"), ("duplex", "FULL_DUPLEX + response")):
-            for label, (picker, grpc_port) in pickers.items():
+            for label, (picker, grpc_port, _) in pickers.items():
                 config = picker_config(
                     mode,
                     ("127.0.0.1", free_port()),
@@ -247,9 +322,19 @@ def main(argv: list[str] | None = None) -> int:
                     tls=tls,
                     streams_per_connection=streams_per_connection,
                 )
-                variants[f"{label} {name}"] = (config, picker)
+                variants[f"{label} {name}"] = (config, picker.pid)
+        if reference is not None:  # it answers only FULL_DUPLEX_STREAMED
+            config = picker_config(
+                "duplex",
+                ("127.0.0.1", free_port()),
+                ("127.0.0.1", reference.grpc_port),
+                ("127.0.0.1", free_port()),
+                tls=tls,
+            )
+            variants["reference EPP FULL_DUPLEX + response"] = (config, reference.pid)
         results: dict[str, dict[str, dict[str, float]]] = {}
-        for name, (config, process) in variants.items():
+        chunk_costs: dict[str, ChunkCost] = {}
+        for name, (config, pid) in variants.items():
             envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
             processes.append(envoy)
             envoy.wait_ready(envoy.ready)
@@ -259,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                 body_file = work / f"body-{label}.json"
                 body_file.write_bytes(body)
                 rate = asyncio.run(fixed_rate(url, body, args.rate, args.seconds))
-                cpu_before = cpu_seconds(process.pid) if process is not None else 0.0
+                cpu_before = cpu_seconds(pid) if pid is not None else 0.0
                 sat, sent = saturation(url, body_file, args.saturation_seconds)
                 # The picker's own CPU per request at saturation: steadier than rates on a shared box.
-                cpu_us = (cpu_seconds(process.pid) - cpu_before) / max(sent, 1) * 1e6 if process is not None else 0.0
+                cpu_us = (cpu_seconds(pid) - cpu_before) / max(sent, 1) * 1e6 if pid is not None else 0.0
                 results.setdefault(name, {})[label] = {
                     "p50_ms": rate.p50_ms,
                     "p99_ms": rate.p99_ms,
@@ -273,6 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
                     f"errors {rate.errors}  max {sat:7.0f} req/s  picker CPU {cpu_us:6.0f} µs/req",
+                    flush=True,
+                )
+            if pid is not None and "FULL_DUPLEX" in name and args.stream_chunks:
+                cost = chunk_cost(
+                    envoy, url, pid, args.stream_rate, args.seconds, BODY_SIZES["2KB"], args.stream_chunks
+                )
+                chunk_costs[name] = cost
+                print(
+                    f"{name:32} streamed {args.stream_chunks} events: +{cost.messages_per_request:.0f} ext_proc "
+                    f"messages per answer, {cost.cpu_us_per_chunk:.1f} µs CPU per chunk, errors {cost.errors}",
                     flush=True,
                 )
             envoy.stop()
@@ -286,11 +381,24 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
                     f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} |"
                 )
-        (work / "results.json").write_text(json.dumps(results, indent=2))
+        if chunk_costs:
+            print(f"\nStreamed answers: {args.stream_chunks} SSE events, 2 KB requests, {args.stream_rate:g} req/s")
+            print("| variant | extra ext_proc messages per answer | CPU µs per passed-through chunk |")
+            print("|---|---|---|")
+            for name, cost in chunk_costs.items():
+                print(f"| {name} | {cost.messages_per_request:.0f} | {cost.cpu_us_per_chunk:.1f} |")
+        summary = {
+            "variants": results,
+            "chunk_cost": {name: asdict(cost) for name, cost in chunk_costs.items()},
+            "start_to_serving_seconds": startup,
+        }
+        (work / "results.json").write_text(json.dumps(summary, indent=2))
         print(f"\nresults: {work / 'results.json'}")
     finally:
         for proc in reversed(processes):
             proc.stop()
+        if reference is not None:
+            reference.stop()
     return 0
 
 

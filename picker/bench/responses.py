@@ -16,10 +16,10 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from time import thread_time
-from typing import Any
 
 import orjson
 
+from picker.bench.backend import sse_answer
 from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
@@ -32,16 +32,6 @@ CONFIG = (
     "- type: prefix-cache-scorer\n"
 )
 CHAT = {":path": "/v1/chat/completions"}
-
-
-def sse_answer(words: int) -> list[bytes]:
-    """An answer of `words` words as a chat completion stream, one word per event, with a usage
-    event before `[DONE]` (vLLM's `stream_options.include_usage`)."""
-    events: list[dict[str, Any]] = [
-        {"choices": [{"index": 0, "delta": {"content": f" word{i % 50}"}}]} for i in range(words)
-    ]
-    events.append({"choices": [], "usage": {"prompt_tokens": 2000, "completion_tokens": words}})
-    return [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
 async def measure(index_responses: bool, chunks: int, responses: int) -> tuple[float, float]:

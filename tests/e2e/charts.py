@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from picker.bench.kube_resources import apply_manifests, wait_crds_established
 from tests.e2e.helm_cli import helm
-from tests.e2e.kube_resources import apply_manifests, wait_crds_established
 from tests.reference_epp import reference_dir
 
 PICKER_CHART = Path(__file__).resolve().parents[2] / "charts" / "picker"

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from tests.e2e.helm_cli import helm
-from tests.e2e.kube_cluster import (
+from picker.bench.kube_cluster import (
     HELM_VERSION,
     KubeCluster,
     MissingBinaryError,
     cached_binary,
 )
-from tests.e2e.kube_resources import (
+from picker.bench.kube_resources import (
     apply_manifests,
     create_namespace,
     service_account_kubeconfig,
     wait_crds_established,
 )
+from tests.e2e.helm_cli import helm
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "picker"

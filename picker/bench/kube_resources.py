@@ -1,36 +1,43 @@
-"""Creating and changing API objects in e2e tests (admin credentials, real API server)."""
+"""Creating and changing API objects in e2e tests and benchmarks (admin credentials, real API
+server)."""
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes import client, dynamic
 
+from picker.bench.kube_cluster import KubeCluster, kubeconfig
 from picker.bench.process import wait_until
-from tests.e2e.kube_cluster import KubeCluster, kubeconfig
 
 POOL_V1 = ("inference.networking.k8s.io", "v1")
 POOL_LEGACY = ("inference.networking.x-k8s.io", "v1alpha2")
 
 
 def load_documents(paths: Iterable[Path]) -> list[dict[str, Any]]:
-    docs = []
+    docs: list[dict[str, Any]] = []
     for path in paths:
         docs.extend(d for d in yaml.safe_load_all(Path(path).read_text()) if d)
     return docs
+
+
+# The kubernetes package's dynamic client is untyped.
+dynamic_client: Callable[[client.ApiClient], Any] = dynamic.DynamicClient
 
 
 def apply_manifests(
     api: client.ApiClient, paths_or_docs: Iterable[Path | Mapping[str, Any]], namespace: str | None = None
 ) -> None:
     """Create every object (any kind, CRDs included) through the dynamic client."""
-    dyn = dynamic.DynamicClient(api)
-    docs = [d for d in paths_or_docs if isinstance(d, Mapping)]
-    docs += load_documents(p for p in paths_or_docs if not isinstance(p, Mapping))
+    dyn = dynamic_client(api)
+    items = list(paths_or_docs)
+    docs = [d for d in items if isinstance(d, Mapping)]
+    docs += load_documents(p for p in items if not isinstance(p, Mapping))
     for doc in docs:
         resource = dyn.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
         if resource.namespaced:
@@ -53,12 +60,14 @@ def wait_crds_established(api: client.ApiClient, names: Iterable[str]) -> None:
         return any(c.type == "Established" and c.status == "True" for c in conditions or ())
 
     for name in names:
-        wait_until(lambda name=name: established(name), 30, f"CRD {name} to be established")
+        wait_until(functools.partial(established, name), 30, f"CRD {name} to be established")
 
 
 def create_namespace(api: client.ApiClient, prefix: str) -> str:
     body = client.V1Namespace(metadata=client.V1ObjectMeta(generate_name=f"{prefix}-"))
-    return client.CoreV1Api(api).create_namespace(body).metadata.name
+    metadata = client.CoreV1Api(api).create_namespace(body).metadata
+    assert metadata is not None and metadata.name is not None  # the API server named it
+    return metadata.name
 
 
 def create_pod(
@@ -69,12 +78,12 @@ def create_pod(
     annotations: Mapping[str, str] | None = None,
 ) -> None:
     """A Pod object only: no kubelet runs, so its status is whatever the test sets."""
-    body = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": dict(labels), "annotations": dict(annotations or {})},
-        "spec": {"containers": [{"name": "model-server", "image": "vllm/vllm-openai:latest"}]},
-    }
+    body = client.V1Pod(
+        api_version="v1",
+        kind="Pod",
+        metadata=client.V1ObjectMeta(name=name, labels=dict(labels), annotations=dict(annotations or {})),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="model-server", image="vllm/vllm-openai:latest")]),
+    )
     client.CoreV1Api(api).create_namespaced_pod(namespace, body)
 
 
@@ -129,7 +138,9 @@ def put_pool(
     custom = client.CustomObjectsApi(api)
     body = pool_body(name, selector, ports, legacy)
     try:
-        current = custom.get_namespaced_custom_object(group, version, namespace, "inferencepools", name)
+        current: dict[str, Any] = custom.get_namespaced_custom_object(  # type: ignore[assignment]
+            group, version, namespace, "inferencepools", name
+        )
     except client.ApiException as exc:
         if exc.status != 404:
             raise
@@ -157,5 +168,6 @@ def service_account_kubeconfig(
 def service_account_token(api: client.ApiClient, namespace: str, name: str) -> str:
     """A TokenRequest token (one hour) for ServiceAccount namespace/name."""
     request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
-    token: str = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request).status.token
-    return token
+    answer = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
+    assert answer.status is not None and answer.status.token is not None  # the API server issued it
+    return answer.status.token
