@@ -279,9 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="picker processes serving the ext_proc port together (SO_REUSEPORT: the kernel spreads Envoy's "
         "connections over them), under one parent that answers health and metrics for all of them and restarts "
-        "a worker that dies. Each worker learns its own prefix index, in-flight counts and TTFT model (nothing is "
-        "shared yet), so with N > 1 a prompt's prefix is found only by the worker it reached before: use it for "
-        "throughput, not for the hit ratio. (default 1)",
+        "a worker that dies. Each worker learns its own prefix index, in-flight counts and TTFT model: without "
+        "--state-store a prompt's prefix is found only by the worker it reached before. (default 1)",
     )
     srv.add_argument(
         "--state-store",
