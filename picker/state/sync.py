@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
@@ -52,6 +53,9 @@ FIELD = b"b"  # the stream entry's one field: an encoded StateBatch
 STREAM_LENGTH = 5000  # entries the stream keeps (approximately): the history a late process replays
 MAX_PENDING_INSERTS = 10_000  # queued while the store is away; older ones are dropped, counted
 MAX_BATCH_INSERTS = 256
+# Batches published last before the store failed are sent again once it answers: a store that
+# crashed (without persistence) lost those the others had not read yet. Inserts are idempotent.
+RESEND_BATCHES = 32
 READ_COUNT = 256
 READ_BLOCK_MS = 1000
 SOCKET_TIMEOUT_S = 2.0  # above READ_BLOCK_MS: a blocked XREAD is not a timeout
@@ -135,11 +139,14 @@ class StateSync:
         self._pending: deque[IndexInsert] = deque()
         self._wake = asyncio.Event()
         self._unsent: tuple[bytes, int] | None = None  # a batch whose XADD failed: sent again as is
+        self._recent: deque[Sequence[IndexInsert]] = deque(maxlen=RESEND_BATCHES)  # published last
+        self._resend = False  # set by a failure: `_recent` goes out again once the store answers
         self._sequence = 0
         self._sequences: dict[str, int] = {}  # the last sequence read per origin
         self._healthy = {"publish": True, "read": True}
         self._failing_since: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._running = False
         self.last_id = b"0-0"  # the last stream entry read
 
     # -- the request path ------------------------------------------------------------------
@@ -171,6 +178,7 @@ class StateSync:
 
     def start(self) -> None:
         STATE_STORE_CONNECTED.set(0)
+        self._running = True
         self._tasks = [
             asyncio.create_task(self._publish_loop(), name="state-publish"),
             asyncio.create_task(self._read_loop(), name="state-read"),
@@ -178,9 +186,14 @@ class StateSync:
         log.info("sharing state through %s, stream %s (origin %s)", self.url.redacted, self.stream, self.origin)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The loops also check `_running`: redis-py may turn a cancellation in the middle of a
+        # command into a connection error, which the loops would otherwise retry.
+        self._running = False
+        self._wake.set()
+        while pending := [task for task in self._tasks if not task.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
         await self._client.aclose()
 
@@ -189,12 +202,10 @@ class StateSync:
     async def _publish_loop(self) -> None:
         backoff = _Backoff()
         pending = self._pending
-        while True:
-            while not pending and self._unsent is None:
-                self._wake.clear()
-                await self._wake.wait()
+        while await self._work_to_send():
             if self._unsent is None:
                 inserts = [pending.popleft() for _ in range(min(len(pending), MAX_BATCH_INSERTS))]
+                self._recent.append(inserts)
                 self._sequence += 1
                 self._unsent = (encode_batch(StateBatch(self.origin, self._sequence, inserts)), len(inserts))
             data, count = self._unsent
@@ -202,19 +213,39 @@ class StateSync:
                 await self._client.xadd(self.stream, {FIELD: data}, maxlen=self.stream_length, approximate=True)
             except _STORE_ERRORS as error:
                 self._failed("publish", error)
+                self._resend = True
                 await backoff.wait()
                 continue
             self._unsent = None
+            if self._resend:
+                self._resend_recent()
             STATE_PUBLISHED_INSERTS.inc(count)
             self._answered("publish")
             backoff.reset()
+
+    def _resend_recent(self) -> None:
+        """Queue the batches published last before the failure again, ahead of newer inserts,
+        as re-announcements (not counted as blocks sent again), as far as the queue has room."""
+        self._resend = False
+        room = self.max_pending - len(self._pending)
+        again = [replace(i, count_reuse=False) for batch in self._recent for i in batch]
+        self._recent.clear()
+        if room > 0:
+            self._pending.extendleft(reversed(again[-room:]))
+
+    async def _work_to_send(self) -> bool:
+        """Wait for inserts (or a batch to send again); False once stopping."""
+        while not self._pending and self._unsent is None and self._running:
+            self._wake.clear()
+            await self._wake.wait()
+        return self._running
 
     async def _read_loop(self) -> None:
         # Apply nothing before the pool is known: inserts for endpoints not (yet) in it are skipped.
         while not self.datastore.synced:
             await asyncio.sleep(SYNCED_POLL_S)
         backoff = _Backoff()
-        while True:
+        while self._running:
             try:
                 reply: Any = await self._client.xread(
                     {self.stream: self.last_id}, count=READ_COUNT, block=READ_BLOCK_MS

@@ -95,11 +95,14 @@ async def test_a_pick_in_one_process_reaches_the_others_index_within_millisecond
 async def test_publishing_is_an_enqueue(processes: Callable[..., Process]) -> None:
     a = processes()
     hashes = list(range(64))
-    start = time.perf_counter()
-    for _ in range(1000):
-        a.shared.publish(ENDPOINTS[0], hashes, None, True)
-    per_publish = (time.perf_counter() - start) / 1000
-    assert per_publish < 50e-6, per_publish  # measured ~1 µs; generous for a shared machine
+    rounds = []
+    for _ in range(5):  # the best round: the cost itself, not the shared machine's interruptions
+        start = time.perf_counter()
+        for _ in range(1000):
+            a.shared.publish(ENDPOINTS[0], hashes, None, True)
+        rounds.append((time.perf_counter() - start) / 1000)
+        await asyncio.sleep(0)
+    assert min(rounds) < 20e-6, rounds  # measured ~1-2 µs
 
 
 async def test_a_process_that_starts_late_warms_its_index_from_the_stream(
