@@ -29,6 +29,7 @@ from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
 from picker.extproc.tls import server_credentials
 from picker.framework.durations import parse_duration as parse_go_duration
 from picker.requestcontrol.director import Director
+from picker.state.url import StoreUrl, parse_store_url
 from picker.telemetry import logging as logs
 from picker.telemetry import metrics
 from picker.telemetry.decisions import DecisionLog
@@ -44,8 +45,11 @@ if TYPE_CHECKING:
 
     from picker.discovery.kubernetes import KubernetesDiscovery
     from picker.discovery.lease import LeaderElector
+    from picker.state.sync import StateSync
 
 log = logging.getLogger("picker")
+
+STATE_STORE_PASSWORD_ENV = "PICKER_STATE_STORE_PASSWORD"
 
 
 class FlagError(ValueError):
@@ -275,9 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="picker processes serving the ext_proc port together (SO_REUSEPORT: the kernel spreads Envoy's "
         "connections over them), under one parent that answers health and metrics for all of them and restarts "
-        "a worker that dies. Each worker learns its own prefix index, in-flight counts and TTFT model (nothing is "
-        "shared yet), so with N > 1 a prompt's prefix is found only by the worker it reached before: use it for "
-        "throughput, not for the hit ratio. (default 1)",
+        "a worker that dies. Each worker learns its own prefix index, in-flight counts and TTFT model: without "
+        "--state-store a prompt's prefix is found only by the worker it reached before. (default 1)",
+    )
+    srv.add_argument(
+        "--state-store",
+        type=_checked(parse_store_url),
+        metavar="URL",
+        help="share what picks teach (the approximate prefix index) with the other picker processes and replicas "
+        "of the pool through this Redis/Valkey: redis://[user:pass@]host:port[/db], rediss:// for TLS; the "
+        f"password may come from ${STATE_STORE_PASSWORD_ENV} instead. Requests read only local state: the store "
+        "being down or slow never fails or delays one. (default: nothing shared)",
     )
     _bool_flag(
         srv,
@@ -485,7 +497,10 @@ class PickerServer:
             pool_gauges_interval=args.refresh_prometheus_metrics_interval,
             pool_name=args.pool_name or "",
         )
-        self.runtimes = RuntimeHolder(self.datastore, self.decisions, on_install=self._config_installed)
+        self.state_sync = self._state_sync(args.state_store) if args.state_store else None
+        self.runtimes = RuntimeHolder(
+            self.datastore, self.decisions, on_install=self._config_installed, state_sync=self.state_sync
+        )
         self.tracing = start_tracing(os.environ, self.features.tracing, requested=args.tracing is True)
         self.director = Director(
             self.datastore,
@@ -511,6 +526,17 @@ class PickerServer:
             from picker.discovery.lease import elected_name, lease_name
 
             self.lease_name = lease_name(args.pool_namespace, elected_name(args.pool_name, os.environ.get("POD_NAME")))
+
+    def _state_sync(self, url: StoreUrl) -> StateSync:
+        """`--state-store`: this process's link to the other pickers (connects once started)."""
+        from picker.state.sync import StateSync, stream_name  # redis-py: only when asked for
+
+        return StateSync(
+            url,
+            stream_name(self.args.pool_namespace, self.args.pool_name or ""),
+            self.datastore,
+            password=url.password or os.environ.get(STATE_STORE_PASSWORD_ENV) or None,
+        )
 
     async def _start_discovery(self) -> None:
         """Endpoints from the flags, a file, or the Kubernetes API (pool or label selector)."""
@@ -658,6 +684,8 @@ class PickerServer:
         await self._start_discovery()
         await self._load_config_map()
         await self.runtimes.start()
+        if self.state_sync is not None:
+            self.state_sync.start()
         bind = args.bind_address
         settings = ExtProcSettings(
             max_body_bytes=args.max_body_bytes,
@@ -725,6 +753,8 @@ class PickerServer:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.runtimes.stop()
+        if self.state_sync is not None:
+            await self.state_sync.stop()
         await self.data_layer.stop()
         for server in (self.grpc_server, self.health_server):
             if server is not None:

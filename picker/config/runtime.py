@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
@@ -52,6 +52,9 @@ from picker.framework.request import InferenceRequest
 from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import CONFIG_INFO, CONFIG_LAST_RELOAD, CONFIG_RELOADS
+
+if TYPE_CHECKING:
+    from picker.state.sync import StateSync
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +199,10 @@ class RuntimeHolder:
         datastore: Datastore | None = None,
         decision_log: DecisionLog | None = None,
         on_install: InstallListener | None = None,
+        state_sync: StateSync | None = None,
     ) -> None:
         self.datastore = datastore
+        self.state_sync = state_sync
         self.decision_log = decision_log
         self.on_install = on_install
         self.objects = PersistentObjects()
@@ -215,7 +220,7 @@ class RuntimeHolder:
     def build(self, config: EndpointPickerConfig) -> Runtime:
         """A Runtime for `config` (defaults applied); raises ConfigError. Does not install it;
         persistent objects a failed build created are released by the next activation."""
-        handle = Handle(self.datastore, self.objects)
+        handle = Handle(self.datastore, self.objects, self.state_sync)
         try:
             loaded = build(config, handle)
         except ConfigError:

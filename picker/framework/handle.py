@@ -12,6 +12,7 @@ from picker.framework.plugin import Plugin
 
 if TYPE_CHECKING:
     from picker.datastore.store import Datastore
+    from picker.state.sync import StateSync
 
 T = TypeVar("T")
 Release = Callable[[Any], Awaitable[None] | None]
@@ -75,10 +76,17 @@ class Handle:
       index), created on first request; later configs get the same object for the same key.
       When an installed config no longer asks for `key`, `release(object)` runs (it may be a
       coroutine function): remove listeners, stop tasks, close sockets there.
+    - `state_sync`: the store shared with the other picker processes (`--state-store`), or None.
     """
 
-    def __init__(self, datastore: Datastore | None = None, objects: PersistentObjects | None = None) -> None:
+    def __init__(
+        self,
+        datastore: Datastore | None = None,
+        objects: PersistentObjects | None = None,
+        state_sync: StateSync | None = None,
+    ) -> None:
         self.datastore = datastore
+        self.state_sync = state_sync
         self.objects = objects if objects is not None else PersistentObjects()
         self.used: set[str] = set()  # persistent keys this build asked for
         self._plugins: dict[str, Plugin] = {}

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState, StateKey
@@ -72,6 +72,9 @@ from picker.telemetry.metrics import (
     PREFIX_SAVED_GPU_SECONDS,
     PREFIX_SAVED_PREFILL_TOKENS,
 )
+
+if TYPE_CHECKING:
+    from picker.state.sync import SharedIndex
 
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
@@ -266,12 +269,14 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         index: PrefixIndex,
         hasher: PromptHasher,
         ttft: TtftModel,
+        shared: SharedIndex | None = None,
     ) -> None:
         super().__init__(name)
         self.config = config
         self.index = index
         self.hasher = hasher
         self.ttft = ttft
+        self.shared = shared  # --state-store: what this index learns goes to the other pickers
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
@@ -307,7 +312,15 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
             lambda executor: executor.shutdown(wait=False, cancel_futures=True),
         )
-        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft)
+        shared = None
+        sync = handle.state_sync
+        if sync is not None:
+            shared = handle.persistent(
+                f"{index_key}/state-sync",
+                lambda: sync.share_index(index_key, partial(_apply_shared, index)),
+                lambda shared: shared.close(),
+            )
+        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared)
         producer.parameters = effective
         return producer
 
@@ -373,7 +386,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
             targets.append(prefill.targets[0])
         for state in targets:
-            self.index.insert(state.address, blocks.hashes, self._capacity(state))
+            self._insert(state.address, blocks.hashes, self._capacity(state))
         PREFIX_INDEXER_SIZE.set(len(self.index))
 
     @property
@@ -433,8 +446,14 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         parent = blocks.hashes[-1] if blocks.hashes else blocks.seed
         answer = token_block_hashes(tail, size, parent)
         if answer:
-            self.index.insert(address, [*blocks.hashes, *answer], count_reuse=False)
+            self._insert(address, [*blocks.hashes, *answer], None, count_reuse=False)
             PREFIX_INDEXER_SIZE.set(len(self.index))
+
+    def _insert(self, address: str, hashes: Sequence[int], capacity: int | None, count_reuse: bool = True) -> None:
+        """Record at `address` locally, and queue it for the other pickers when state is shared."""
+        self.index.insert(address, hashes, capacity, count_reuse)
+        if self.shared is not None:
+            self.shared.publish(address, hashes, capacity, count_reuse)
 
     def _capacity(self, state: EndpointState) -> int | None:
         if self.config.auto_tune and state.metrics.cache_num_blocks > 0:
@@ -446,6 +465,14 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         index = self.index
         capacity = self._capacity(state) or index.capacity(state.address) or index.default_capacity
         return capacity - index.reused_blocks(state.address)
+
+
+def _apply_shared(
+    index: PrefixIndex, address: str, hashes: Sequence[int], capacity: int | None, count_reuse: bool
+) -> None:
+    """Another picker's insert (`--state-store`), applied to the local index."""
+    index.insert(address, hashes, capacity, count_reuse)
+    PREFIX_INDEXER_SIZE.set(len(index))
 
 
 def _forget(index: PrefixIndex, ttft: TtftModel, departed: set[str]) -> None:

@@ -275,6 +275,35 @@ KV_STATE_KNOWN = Gauge(
     ("endpoint",),
 )
 
+# -- state sync between picker processes (picker/state) ---------------------------------------
+STATE_PUBLISHED_INSERTS = Counter(
+    "picker_state_published_inserts", "Prefix-index inserts this process published to the state store."
+)
+STATE_UNPUBLISHED_INSERTS = Counter(
+    "picker_state_unpublished_inserts",
+    "Prefix-index inserts dropped unpublished: the pending buffer was full while the state store was down or slow.",
+)
+STATE_APPLIED_INSERTS = Counter(
+    "picker_state_applied_inserts", "Prefix-index inserts from other picker processes applied to the local index."
+)
+STATE_SKIPPED_INSERTS = Counter(
+    "picker_state_skipped_inserts",
+    "Prefix-index inserts from other picker processes not applied: an endpoint or index this process does not have.",
+)
+STATE_BAD_MESSAGES = Counter(
+    "picker_state_bad_messages", "State-store stream entries that could not be decoded, skipped."
+)
+STATE_MISSED_BATCHES = Counter(
+    "picker_state_missed_batches",
+    "Batches of other processes never read (sequence gaps: trimmed from the stream before they were read).",
+)
+STATE_STORE_ERRORS = Counter(
+    "picker_state_store_errors", "Failed state-store operations, by operation (publish, read).", ("operation",)
+)
+STATE_STORE_CONNECTED = Gauge(
+    "picker_state_store_connected", "1 while the state store answers (the last publish and read succeeded), else 0."
+)
+
 # -- prefix-cache routing (picker/prefix) ------------------------------------------------------
 PREFIX_INDEXER_SIZE = Gauge(
     "inference_extension_prefix_indexer_size", "Entries in the approximate prefix index (all endpoints' LRUs)."

@@ -51,6 +51,7 @@ GAUGE_MERGE: dict[str, str] = {
     # worst cases: the pod is as stale, saturated or blind as its worst worker
     "inference_pool_ready_pods": "min",
     "picker_kv_events_state_known": "min",
+    "picker_state_store_connected": "min",
     "picker_metrics_age_seconds": "max",
     "inference_extension_flow_control_pool_saturation": "max",
     # the same in every worker (1 per label set, a load time): one value

@@ -556,3 +556,22 @@ def test_invalid_values_are_rejected_with_a_clear_error(values, message, helm_bi
     )
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_state_store_values_pass_the_flag_and_the_password_from_a_secret(helm_binary, helm_env, tmp_path) -> None:
+    assert "state-store" not in flags(picker_docs(helm_binary, helm_env, tmp_path, {}))
+    store = {"url": "rediss://picker@redis.cache:6380/1", "passwordSecret": {"name": "redis-auth", "key": "pw"}}
+    docs = picker_docs(helm_binary, helm_env, tmp_path, {"inferenceExtension": {"stateStore": store}})
+    assert flags(docs)["state-store"] == "rediss://picker@redis.cache:6380/1"
+    env = {e["name"]: e for e in container(docs)["env"]}
+    assert env["PICKER_STATE_STORE_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "redis-auth", "key": "pw"}}
+    # a password in the URL would sit in the pod spec: the schema refuses it
+    values = values_file(tmp_path, {"inferenceExtension": {"stateStore": {"url": "redis://:secret@redis:6379"}}})
+    refused = subprocess.run(
+        [str(helm_binary), "template", "rel", str(CHART), "-f", str(values)],
+        env=helm_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "stateStore" in refused.stderr
