@@ -23,6 +23,7 @@ from picker.workers.metrics import parse_page
 from tests.integration.test_reliability_faults import post
 from tests.stack import Picker, health_status, serving, start_picker
 
+KILL_NOTICE_SECONDS = 0.2  # a dead worker's connection reset reaching Envoy
 LOAD_THREADS = 8
 
 
@@ -131,8 +132,9 @@ def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_
             wait_until(lambda: sum(1 for b, _, _ in results if b > back_at) >= 100, 30, "load after the restart")
         failed = [(begin, status) for begin, _, status in results if status != 200]
         # FailClose: the requests whose streams the dead worker held get Envoy's 500 (or a cut
-        # response); none started after the kill, and no more than were in flight.
-        assert all(begin < killed_at for begin, _ in failed), (killed_at, failed)
+        # response): those in flight at the kill, and those Envoy put on the dead connection in
+        # the moment before the kernel's reset reached it; none later.
+        assert all(begin < killed_at + KILL_NOTICE_SECONDS for begin, _ in failed), (killed_at, failed)
         assert len(failed) <= LOAD_THREADS
         assert serving(picker.health_port)  # the other worker served meanwhile: the pod stayed ready
         pids = worker_pids(picker.process.pid)
