@@ -11,12 +11,18 @@ import pytest
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import build, parse_text
 from picker.config.schema import ConfigError
+from picker.datastore.endpoint import Endpoint
+from picker.datastore.store import Datastore
 from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.controller import FlowController
 from picker.flowcontrol.policies import FcfsOrderingPolicy, RoundRobinFairnessPolicy
 from picker.flowcontrol.settings import DEFAULT_MAX_AFFINITY_WAIT, BandSettings, FlowControlSettings
+from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
+from picker.framework.plugin import ProfileRunResult, SchedulingResult
 from picker.framework.request import Api, InferenceRequest
+from picker.plugins import REGISTRY as PLUGINS
+from picker.prefix.plugins import PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY, ApproxPrefixCacheProducer
 
 FCFS = FcfsOrderingPolicy("fcfs")
 
@@ -180,3 +186,38 @@ flowControl: {maxAffinityWait: 250ms}
     assert resolved is not None and resolved.max_affinity_wait == DEFAULT_MAX_AFFINITY_WAIT
     with pytest.raises(ConfigError, match="maxAffinityWait"):
         parse_text(text.replace("250ms", "soon"))
+
+
+def test_the_producer_names_the_prefix_holder_and_the_prompt_is_hashed_once() -> None:
+    store = Datastore()
+    addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    store.set_endpoints([Endpoint(a.split(":")[0], 8000, name=a) for a in addresses])
+    registration = PLUGINS.lookup("approx-prefix-cache-producer")
+    assert registration is not None
+    producer = registration.factory("approx-prefix-cache-producer", {}, Handle(store))
+    assert isinstance(producer, ApproxPrefixCacheProducer)
+    prompt = "You are a helpful assistant. " * 40
+
+    def completion(question: str) -> InferenceRequest:
+        return InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text=prompt + question)
+
+    first = completion("one")
+    assert producer.affinity(first, store.snapshot(), CycleState()) is None  # cached nowhere yet
+    state = store.snapshot()[1]
+    cycle_state = CycleState()
+    producer.prepare(first, store.snapshot(), cycle_state)
+    routed = SchedulingResult({"default": ProfileRunResult((state,))}, "default", cycle_state)
+    producer.pre_request(first, routed)  # routed to the second endpoint
+
+    second, queued = completion("two"), CycleState()
+    affinity = producer.affinity(second, store.snapshot(), queued)
+    assert affinity is not None and affinity.holders == {state.address}
+    # About the prefill time of the matched characters at the model's prior rate.
+    assert 0 < affinity.recompute_seconds < len(prompt) / producer.ttft.prefill_rate(state.address)
+    hashed = queued.read(PROMPT_BLOCKS_KEY)
+    calls: list[InferenceRequest] = []
+    original = producer.hasher.hash
+    producer.hasher.hash = lambda *args: calls.append(args[0]) or original(*args)  # type: ignore[method-assign]
+    producer.prepare(second, store.snapshot(), queued)  # the scheduling after dispatch reuses the blocks
+    assert calls == [] and queued.read(PREFIX_MATCH_KEY) is not None
+    assert queued.read(PROMPT_BLOCKS_KEY) is hashed
