@@ -2,8 +2,7 @@
 
 Under saturation a dispatched request would go to whichever pod just freed a slot. The flow
 controller instead lets a request whose prefix holders are all full wait for one of them, for at
-most about the time recomputing the cached prefix elsewhere would take (and at most
-`maxAffinityWait`), while requests behind it that can go now are dispatched.
+most `maxAffinityWait`, while requests behind it that can go now are dispatched.
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ from picker.framework.request import InferenceRequest
 
 @dataclass(frozen=True, slots=True)
 class Affinity:
-    """The endpoints holding the longest cached prefix of a prompt, and what losing it costs."""
+    """The endpoints holding the longest cached prefix of a prompt."""
 
     holders: frozenset[str]
-    recompute_seconds: float  # prefilling the cached prefix again on another endpoint
 
 
 class AffinitySource(ABC):

@@ -15,9 +15,12 @@ Prefix affinity (`picker.flowcontrol.affinity`): a cycle takes requests in dispa
 dispatches the first that may go now. A request whose prefix holders are all full is *parked*
 instead: it has had its turn (its priority and its fairness policy's pick are kept), and from
 then on it comes before every request of its band and the lower bands that has not had its turn, as
-soon as one of its holders has room or its wait ends (`max_affinity_wait`, and no longer than
-recomputing its prefix elsewhere would take). Requests behind it whose holders have room (or with
-nothing cached) go meanwhile: the pool never idles while a request could run.
+soon as one of its holders has room or its wait ends (`max_affinity_wait`). Requests behind it
+whose holders have room (or with nothing cached) go meanwhile: the pool idles only when every
+queued request waits for a full holder. The wait is not bounded by the time recomputing the
+prefix elsewhere takes: a request sent elsewhere also evicts that pod's own prefixes, and at 120%
+load on shared prefixes that bound (about 0.3 s) kept a hit ratio of 58% against 78% with 3 s
+(BENCHMARKS.md, flow control).
 """
 
 from __future__ import annotations
@@ -295,7 +298,7 @@ class FlowController:
                 item.holders = frozenset()
                 return True
             item.holders = affinity.holders
-            item.wait_until = now + min(settings.max_affinity_wait, affinity.recompute_seconds)
+            item.wait_until = now + settings.max_affinity_wait
         if not item.holders or now >= item.wait_until:
             return True
         for holder in item.holders:

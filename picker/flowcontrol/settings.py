@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from picker.flowcontrol.policies import FairnessPolicy, OrderingPolicy
 
 # How long at most a request waits for its full prefix holder by default (seconds).
-DEFAULT_MAX_AFFINITY_WAIT = 1.0
+DEFAULT_MAX_AFFINITY_WAIT = 3.0
 
 
 @dataclass(frozen=True, slots=True)

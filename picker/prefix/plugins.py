@@ -347,10 +347,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         depth = max((matched.get(c.address, 0) for c in candidates), default=0)
         if not depth:
             return None
-        holders = frozenset(c.address for c in candidates if matched.get(c.address, 0) == depth)
-        tokens = min(depth * blocks.block_tokens, blocks.prompt_tokens)
-        rate = min(self.ttft.prefill_rate(address) for address in holders)
-        return Affinity(holders, tokens / rate)
+        return Affinity(frozenset(c.address for c in candidates if matched.get(c.address, 0) == depth))
 
     def prepare(
         self,

@@ -47,8 +47,8 @@ class Pool:
         return self.free.get(address, True)
 
 
-def held_at(*holders: str, recompute_seconds: float = 60.0) -> Affinity:
-    return Affinity(frozenset(holders), recompute_seconds)
+def held_at(*holders: str) -> Affinity:
+    return Affinity(frozenset(holders))
 
 
 class Client:
@@ -105,20 +105,15 @@ async def test_a_request_waits_for_its_full_holder_while_later_ones_go_and_goes_
     assert controller.count == 0 and controller.parked == 0 and controller.bytes == 0
 
 
-async def test_the_wait_for_a_holder_is_bounded_by_the_recompute_time_and_max_affinity_wait() -> None:
-    for config, affinity in (
-        (settings(max_affinity_wait=60.0), held_at("a", recompute_seconds=0.05)),
-        (settings(max_affinity_wait=0.05), held_at("a", recompute_seconds=60.0)),
-    ):
-        pool = Pool()
-        pool.saturation = 0.5
-        controller = FlowController(
-            lambda config=config: config, lambda pool=pool: pool.saturation, room_at=pool.room_at
-        )
-        client = Client(controller, config)
-        started = time.monotonic()
-        await asyncio.wait_for(client.send("on-a", affinity), 5.0)  # a stays full; nothing else wakes it
-        assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
+async def test_the_wait_for_a_full_holder_ends_at_max_affinity_wait() -> None:
+    pool = Pool()
+    pool.saturation = 0.5
+    config = settings(max_affinity_wait=0.05)
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    started = time.monotonic()
+    await asyncio.wait_for(client.send("on-a", held_at("a")), 5.0)  # a stays full; nothing else wakes it
+    assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
 
 
 async def test_without_affinity_wait_or_with_room_at_a_holder_it_is_plain_late_binding() -> None:
@@ -212,8 +207,6 @@ def test_the_producer_names_the_prefix_holder_and_the_prompt_is_hashed_once() ->
     second, queued = completion("two"), CycleState()
     affinity = producer.affinity(second, store.snapshot(), queued)
     assert affinity is not None and affinity.holders == {state.address}
-    # About the prefill time of the matched characters at the model's prior rate.
-    assert 0 < affinity.recompute_seconds < len(prompt) / producer.ttft.prefill_rate(state.address)
     hashed = queued.read(PROMPT_BLOCKS_KEY)
     calls: list[InferenceRequest] = []
     original = producer.hasher.hash
