@@ -13,7 +13,7 @@ from picker.flowcontrol.policies import (
     OrderingPolicy,
     StaticUsageLimitPolicy,
 )
-from picker.flowcontrol.settings import BandSettings, FlowControlSettings
+from picker.flowcontrol.settings import DEFAULT_MAX_AFFINITY_WAIT, BandSettings, FlowControlSettings
 from picker.framework.durations import parse_duration
 from picker.framework.plugin import Plugin
 
@@ -49,6 +49,11 @@ def flow_control_settings(config: EndpointPickerConfig, plugins: Mapping[str, Pl
         assert isinstance(policy, StaticUsageLimitPolicy)
         usage_limit = policy.threshold
     ttl = parse_duration(spec.default_request_ttl) if spec is not None and spec.default_request_ttl else 0.0
+    affinity_wait = (
+        parse_duration(spec.max_affinity_wait)
+        if spec is not None and spec.max_affinity_wait
+        else DEFAULT_MAX_AFFINITY_WAIT
+    )
     return FlowControlSettings(
         max_bytes=(spec.max_bytes or 0) if spec else 0,
         max_requests=(spec.max_requests or 0) if spec else 0,
@@ -56,4 +61,5 @@ def flow_control_settings(config: EndpointPickerConfig, plugins: Mapping[str, Pl
         usage_limit=usage_limit,
         default_band=band(spec.default_priority_band if spec else None),
         bands={b.priority: band(b) for b in (spec.priority_bands if spec else ()) if b.priority is not None},
+        max_affinity_wait=affinity_wait,
     )

@@ -480,6 +480,7 @@ def _flow_control_document(flow: FlowControlSpec) -> dict[str, Any]:
         "maxBytes": flow.max_bytes,
         "maxRequests": flow.max_requests,
         "defaultRequestTTL": flow.default_request_ttl,
+        "maxAffinityWait": flow.max_affinity_wait,
         "defaultPriorityBand": band(flow.default_priority_band) if flow.default_priority_band else None,
         "priorityBands": [band(b) for b in flow.priority_bands] or None,
         "usageLimitPolicyPluginRef": flow.usage_limit_policy_plugin_ref,

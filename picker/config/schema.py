@@ -79,6 +79,7 @@ class FlowControlSpec:
     max_bytes: int | None = None
     max_requests: int | None = None
     default_request_ttl: str | None = None
+    max_affinity_wait: str | None = None  # the picker's own (see FlowControlSettings)
     default_priority_band: PriorityBandSpec | None = None
     priority_bands: tuple[PriorityBandSpec, ...] = ()
     usage_limit_policy_plugin_ref: str | None = None
@@ -290,6 +291,16 @@ class _Decoder:
             return None
         return number
 
+    def duration(self, value: Any, path: str) -> str | None:
+        """A Go duration string, checked."""
+        text = self.string(value, path)
+        if text:
+            try:
+                parse_duration(text)
+            except ValueError as error:
+                self.fail(path, str(error))
+        return text
+
     def flow_control(self, value: Any, path: str) -> FlowControlSpec:
         raw = self.mapping(
             value,
@@ -298,17 +309,14 @@ class _Decoder:
                 "maxBytes",
                 "maxRequests",
                 "defaultRequestTTL",
+                "maxAffinityWait",
                 "defaultPriorityBand",
                 "priorityBands",
                 "usageLimitPolicyPluginRef",
             ),
         )
-        ttl = self.string(raw.get("defaultRequestTTL"), _join(path, "defaultRequestTTL"))
-        if ttl:
-            try:
-                parse_duration(ttl)
-            except ValueError as error:
-                self.fail(_join(path, "defaultRequestTTL"), str(error))
+        ttl = self.duration(raw.get("defaultRequestTTL"), _join(path, "defaultRequestTTL"))
+        affinity_wait = self.duration(raw.get("maxAffinityWait"), _join(path, "maxAffinityWait"))
         default_band = raw.get("defaultPriorityBand")
         bands = tuple(
             self.priority_band(b, f"{path}.priorityBands[{i}]", needs_priority=True)
@@ -325,6 +333,7 @@ class _Decoder:
             max_bytes=self.quantity(raw.get("maxBytes"), _join(path, "maxBytes")),
             max_requests=self.quantity(raw.get("maxRequests"), _join(path, "maxRequests")),
             default_request_ttl=ttl,
+            max_affinity_wait=affinity_wait,
             default_priority_band=(
                 self.priority_band(default_band, _join(path, "defaultPriorityBand"), needs_priority=False)
                 if default_band is not None

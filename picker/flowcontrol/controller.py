@@ -10,6 +10,17 @@ tick while the pool stays saturated (metrics that never refresh must not stall t
 Late binding: a dispatched request is scheduled after it leaves the queue, on that moment's
 endpoints and metrics. One dispatch is outstanding at a time (the *handoff*): the next cycle
 runs once the dispatched request is counted in flight (or fails), so the detector sees it.
+
+Prefix affinity (`picker.flowcontrol.affinity`): a cycle takes requests in dispatch order and
+dispatches the first that may go now. A request whose prefix holders are all full is *parked*
+instead: it has had its turn (its priority and its fairness policy's pick are kept), and from
+then on it comes before every request of its band and the lower bands that has not had its turn, as
+soon as one of its holders has room or its wait ends (`max_affinity_wait`). Requests behind it
+whose holders have room (or with nothing cached) go meanwhile: the pool idles only when every
+queued request waits for a full holder. The wait is not bounded by the time recomputing the
+prefix elsewhere takes: a request sent elsewhere also evicts that pod's own prefixes, and at 120%
+load on shared prefixes that bound (about 0.3 s) kept a hit ratio of 58% against 78% with 3 s
+(BENCHMARKS.md, flow control).
 """
 
 from __future__ import annotations
@@ -17,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
 from typing import Any
 
+from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.queues import Outcome, PriorityBand, QueuedRequest
 from picker.flowcontrol.settings import FlowControlSettings
 from picker.framework.request import InferenceRequest
@@ -33,6 +46,7 @@ from picker.telemetry import metrics
 SATURATED_TICK_SECONDS = 0.1
 
 SettingsSource = Callable[[], FlowControlSettings | None]
+AffinityLookup = Callable[[], Affinity | None]
 
 
 class FlowController:
@@ -40,12 +54,20 @@ class FlowController:
 
     `settings` returns the flow-control settings in force (None once the gate is turned off:
     what is still queued is then dispatched without waiting); `saturation` the pool's
-    saturation now (dispatch only while it is below the usage limit).
+    saturation now (dispatch only while it is below the usage limit); `room_at` whether one
+    endpoint (by address) is below it (without it, requests never wait for their prefix holders).
     """
 
-    def __init__(self, settings: SettingsSource, saturation: Callable[[], float], pool_name: str = "") -> None:
+    def __init__(
+        self,
+        settings: SettingsSource,
+        saturation: Callable[[], float],
+        pool_name: str = "",
+        room_at: Callable[[str], bool] | None = None,
+    ) -> None:
         self._settings_source = settings
         self._saturation = saturation
+        self._room_at = room_at
         self._pool = pool_name
         self._settings: FlowControlSettings | None = None
         self._bands: dict[int, PriorityBand] = {}
@@ -54,6 +76,8 @@ class FlowController:
         self.count = 0
         self.bytes = 0
         self._handoff: QueuedRequest | None = None
+        # Parked requests (waiting for a prefix holder), in dispatch order: (-priority, turn).
+        self._parked: list[tuple[tuple[int, int], QueuedRequest]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cycle_scheduled = False
         self._tick: asyncio.TimerHandle | None = None
@@ -64,12 +88,17 @@ class FlowController:
 
     @asynccontextmanager
     async def dispatched(
-        self, settings: FlowControlSettings, request: InferenceRequest, priority: int
+        self,
+        settings: FlowControlSettings,
+        request: InferenceRequest,
+        priority: int,
+        affinity: AffinityLookup | None = None,
     ) -> AsyncIterator[None]:
         """Hold `request` until it is dispatched; the body runs the scheduling of the dispatched
         request, and leaving it lets the next dispatch go. Raises RequestError when the queue is
-        full (429) or the TTL expires first (503); a cancelled wait leaves the queue at once."""
-        item = self._enqueue(settings, request, priority)
+        full (429) or the TTL expires first (503); a cancelled wait leaves the queue at once.
+        `affinity` says (when asked, at dispatch time) where the request's prefix is cached."""
+        item = self._enqueue(settings, request, priority, affinity)
         try:
             await item.future
         except asyncio.CancelledError:
@@ -84,13 +113,19 @@ class FlowController:
         finally:
             self._settle(item)
 
-    def _enqueue(self, settings: FlowControlSettings, request: InferenceRequest, priority: int) -> QueuedRequest:
+    def _enqueue(
+        self,
+        settings: FlowControlSettings,
+        request: InferenceRequest,
+        priority: int,
+        affinity: AffinityLookup | None,
+    ) -> QueuedRequest:
         started = perf_counter()
         loop = self._loop = asyncio.get_running_loop()
         self._sync(settings)
         ttl = settings.default_ttl
         now = time.monotonic()  # the body has just arrived: receipt and enqueue are one moment here
-        item = QueuedRequest(request, priority, ttl, now, now, loop.create_future())
+        item = QueuedRequest(request, priority, ttl, now, now, loop.create_future(), affinity)
         band = self._bands.get(priority)
         band_settings = band.settings if band is not None else settings.band(priority)
         fits = (
@@ -105,7 +140,7 @@ class FlowController:
             metrics.FLOW_ENQUEUE_DURATION.labels(*labels, item.state.value).observe(perf_counter() - started)
             self._observe_queue_time(item)
             raise RequestError("ResourceExhausted", "flow control queue at capacity")
-        if not self.count and self._handoff is None and self._has_room(settings):
+        if not self.count and self._handoff is None and self._has_room(settings) and self._may_go(item, now, {}):
             # Nothing queued and room in the pool: dispatched at once, without touching the queues.
             item.state = Outcome.DISPATCHED
             self._handoff = item
@@ -134,18 +169,25 @@ class FlowController:
     def _leave(self, item: QueuedRequest, outcome: Outcome) -> None:
         """`item` leaves its queue before dispatch (TTL, client gone)."""
         item.state = outcome
-        band = self._bands[item.priority]
-        band.discard(item)
-        self._uncount(item, band)
+        parked = next((i for i, (_, p) in enumerate(self._parked) if p is item), None)
+        if parked is not None:
+            del self._parked[parked]
+        else:
+            band = self._bands[item.priority]
+            band.discard(item)
+            self._drop_if_empty(band)
+        self._uncount(item)
 
-    def _uncount(self, item: QueuedRequest, band: PriorityBand) -> None:
+    def _drop_if_empty(self, band: PriorityBand) -> None:
+        if band.count == 0:
+            del self._bands[band.priority]
+            self._priorities.remove(band.priority)
+
+    def _uncount(self, item: QueuedRequest) -> None:
         if item.timer is not None:
             item.timer.cancel()
         self.count -= 1
         self.bytes -= item.size
-        if band.count == 0:
-            del self._bands[band.priority]
-            self._priorities.remove(band.priority)
         self._gauge(item, -1)
         self._observe_queue_time(item)
 
@@ -166,6 +208,16 @@ class FlowController:
         self._tick = None
         self.wake()
 
+    def _tick_in(self, seconds: float) -> None:
+        """Run a dispatch cycle within `seconds` at the latest."""
+        if self._loop is None:
+            return
+        if self._tick is not None:
+            if self._tick.when() <= self._loop.time() + seconds:
+                return
+            self._tick.cancel()
+        self._tick = self._loop.call_later(seconds, self._on_tick)
+
     def _sync(self, settings: FlowControlSettings | None) -> FlowControlSettings | None:
         """Adopt the settings in force (a reload changes them; queued requests stay)."""
         if settings is not self._settings:
@@ -184,25 +236,82 @@ class FlowController:
         return saturation < settings.usage_limit
 
     def _cycle(self) -> None:
-        """Dispatch the next request if the pool has room: the highest band with requests,
-        its fairness policy's flow, that flow's head."""
+        """Dispatch the next request that may go if the pool has room: parked requests first
+        (by priority, then turn), then the highest band with requests, its fairness policy's
+        flow, that flow's head; a request whose prefix holders are full is parked."""
         self._cycle_scheduled = False
         if self._handoff is not None or not self.count:
             return
         started = perf_counter()
         if not self._has_room(self._sync(self._settings_source())):
-            if self._tick is None and self._loop is not None:
-                self._tick = self._loop.call_later(SATURATED_TICK_SECONDS, self._on_tick)
+            self._tick_in(SATURATED_TICK_SECONDS)
             metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
             return
-        band = self._bands[self._priorities[-1]]  # bands are dropped when empty
-        item = band.pop_next()
-        assert item is not None
-        item.state = Outcome.DISPATCHED
-        self._uncount(item, band)
-        self._handoff = item
-        item.future.set_result(Outcome.DISPATCHED)
+        item = self._next_to_go(time.monotonic())
+        if item is None:  # every queued request waits for a full holder: look again when a wait ends
+            self._tick_in(min(SATURATED_TICK_SECONDS, max(0.0, self._parked_wait_ends() - time.monotonic())))
+        else:
+            item.state = Outcome.DISPATCHED
+            self._uncount(item)
+            self._handoff = item
+            item.future.set_result(Outcome.DISPATCHED)
         metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
+
+    def _next_to_go(self, now: float) -> QueuedRequest | None:
+        """Take the first request in dispatch order that may go now, parking the others met on
+        the way (each request is parked once: a cycle costs the parked requests plus the ones it
+        parks)."""
+        room: dict[str, bool] = {}  # per holder, for this cycle
+        parked = self._parked
+        i = 0
+        while True:
+            top = self._priorities[-1] if self._priorities else None
+            if i < len(parked) and (top is None or parked[i][1].priority >= top):
+                waiting = parked[i][1]
+                if self._may_go(waiting, now, room):
+                    del parked[i]
+                    return waiting
+                i += 1
+                continue
+            if top is None:
+                return None
+            band = self._bands[top]  # bands are dropped when empty
+            item = band.pop_next()
+            assert item is not None
+            self._drop_if_empty(band)
+            if self._may_go(item, now, room):
+                return item
+            # Parked after every parked request of its priority or higher: those are before index i.
+            bisect.insort(parked, ((-item.priority, next(self._seq)), item), key=lambda entry: entry[0])
+            i += 1
+
+    def _may_go(self, item: QueuedRequest, now: float, room: dict[str, bool]) -> bool:
+        """Whether `item` may be dispatched now: nothing cached anywhere, a holder with room, or
+        its wait for a holder over (asked once, on its first turn)."""
+        settings = self._settings
+        if settings is None or self._room_at is None:
+            return True
+        if item.holders is None:
+            affinity = item.affinity() if item.affinity is not None else None
+            item.affinity = None  # the lookup holds the request's scheduling state: drop it
+            if affinity is None:
+                item.holders = frozenset()
+                return True
+            item.holders = affinity.holders
+            item.wait_until = now + settings.max_affinity_wait
+        if not item.holders or now >= item.wait_until:
+            return True
+        for holder in item.holders:
+            free = room.get(holder)
+            if free is None:
+                free = room[holder] = self._room_at(holder)
+            if free:
+                return True
+        return False
+
+    def _parked_wait_ends(self) -> float:
+        """When the first parked request's wait for its holders ends."""
+        return min((item.wait_until for _, item in self._parked), default=math.inf)
 
     # -- metrics ------------------------------------------------------------------------------
 
@@ -230,6 +339,11 @@ class FlowController:
         metrics.FLOW_QUEUE_DURATION.labels(
             item.fairness_id, str(item.priority), item.state.value, self._pool, request.model, request.target_model
         ).observe(time.monotonic() - item.enqueued_at)
+
+    @property
+    def parked(self) -> int:
+        """Queued requests that have had their turn and wait for a full prefix holder."""
+        return len(self._parked)
 
     def describe(self) -> dict[str, Any]:
         """Queued requests and bytes, in total and per priority band (for tests and debugging)."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 
+from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.policies import OrderingPolicy
 from picker.flowcontrol.settings import BandSettings
 from picker.framework.request import InferenceRequest
@@ -31,9 +32,11 @@ class QueuedRequest:
     """One request held by flow control; `future` resolves with its outcome (monotonic times)."""
 
     __slots__ = (
+        "affinity",
         "enqueued_at",
         "fairness_id",
         "future",
+        "holders",
         "priority",
         "received_at",
         "request",
@@ -41,6 +44,7 @@ class QueuedRequest:
         "state",
         "timer",
         "ttl",
+        "wait_until",
     )
 
     def __init__(
@@ -51,6 +55,7 @@ class QueuedRequest:
         received_at: float,
         enqueued_at: float,
         future: asyncio.Future[Outcome],
+        affinity: Callable[[], Affinity | None] | None = None,
     ) -> None:
         self.request = request
         self.fairness_id = request.fairness_id
@@ -62,6 +67,11 @@ class QueuedRequest:
         self.future = future
         self.state = Outcome.QUEUED
         self.timer: asyncio.TimerHandle | None = None
+        # Late binding with prefix affinity: `affinity` says where the prompt's prefix is cached;
+        # once asked, `holders` (empty: anywhere will do) and the end of the wait for them.
+        self.affinity = affinity
+        self.holders: frozenset[str] | None = None
+        self.wait_until = 0.0
 
     @property
     def headers(self) -> Mapping[str, str]:

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from picker.flowcontrol.policies import FairnessPolicy, OrderingPolicy
 
+# How long at most a request waits for its full prefix holder by default (seconds).
+DEFAULT_MAX_AFFINITY_WAIT = 3.0
+
 
 @dataclass(frozen=True, slots=True)
 class BandSettings:
@@ -23,7 +26,9 @@ class BandSettings:
 @dataclass(frozen=True, slots=True)
 class FlowControlSettings:
     """Global limits (0: none), the default TTL (None: wait until dispatched or cancelled), the
-    saturation ceiling, explicit bands by priority and the template for any other priority."""
+    saturation ceiling, explicit bands by priority and the template for any other priority;
+    `max_affinity_wait` (the picker's `maxAffinityWait`) bounds how long a request whose prefix
+    holders are full waits for one of them while other requests go ahead (0: never waits)."""
 
     max_bytes: int
     max_requests: int
@@ -31,6 +36,7 @@ class FlowControlSettings:
     usage_limit: float
     default_band: BandSettings
     bands: Mapping[int, BandSettings] = field(default_factory=dict)
+    max_affinity_wait: float = DEFAULT_MAX_AFFINITY_WAIT
 
     def band(self, priority: int) -> BandSettings:
         """The settings of `priority`'s band (the template when it is not configured)."""

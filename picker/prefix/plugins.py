@@ -38,6 +38,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import EndpointState
+from picker.flowcontrol.affinity import Affinity, AffinitySource
 from picker.framework.cycle_state import CycleState, StateKey
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
@@ -234,7 +235,7 @@ def _tokenizer_specs(raw: Mapping[str, Any]) -> dict[str, str]:
     return specs
 
 
-class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, ResponseComplete):
+class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, ResponseComplete, AffinitySource):
     """`approx-prefix-cache-producer`: see the module docstring.
 
     Reference parameters: `autoTune` (true: block size from the first candidate's engine
@@ -337,18 +338,39 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             cycle_state[PROMPT_BLOCKS_KEY] = blocks
         cycle_state[_HASHED_KEY] = True
 
+    def _blocks(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> PromptBlocks | None:
+        """The prompt's blocks, hashed once per request (kept in `cycle_state`)."""
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        if blocks is None and not cycle_state.read(_HASHED_KEY):
+            blocks = self.hasher.hash(request, self.config.sizing(candidates))
+            if blocks is not None:
+                cycle_state[PROMPT_BLOCKS_KEY] = blocks
+            cycle_state[_HASHED_KEY] = True
+        return blocks
+
+    def affinity(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> Affinity | None:
+        blocks = self._blocks(request, candidates, cycle_state)
+        if blocks is None:
+            return None
+        matched = self.index.match(blocks.hashes)
+        depth = max((matched.get(c.address, 0) for c in candidates), default=0)
+        if not depth:
+            return None
+        return Affinity(frozenset(c.address for c in candidates if matched.get(c.address, 0) == depth))
+
     def prepare(
         self,
         request: InferenceRequest,
         candidates: Sequence[EndpointState],
         cycle_state: CycleState,
     ) -> None:
-        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
-        if blocks is None and not cycle_state.read(_HASHED_KEY):
-            blocks = self.hasher.hash(request, self.config.sizing(candidates))
+        blocks = self._blocks(request, candidates, cycle_state)
         if blocks is None:
             return
-        cycle_state[PROMPT_BLOCKS_KEY] = blocks
         matched = self.index.match(blocks.hashes)
         bounded = over_bound(candidates, self.config.max_load_factor)
         over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))

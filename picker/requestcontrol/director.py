@@ -17,13 +17,14 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
 from picker.config.runtime import Runtime, RuntimeHolder, Step
 from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
+from picker.flowcontrol.affinity import Affinity, AffinitySource
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
 from picker.framework.plugin import SchedulingResult
@@ -292,12 +293,22 @@ class Director:
         self._series: dict[tuple[str, str], _ModelSeries] = {}
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
         datastore.add_listener(self._forget_endpoints)
-        self.flow_control = FlowController(lambda: self.runtimes.current.flow_control, self._pool_saturation, pool_name)
+        self.flow_control = FlowController(
+            lambda: self.runtimes.current.flow_control, self._pool_saturation, pool_name, self._endpoint_has_room
+        )
         datastore.add_load_listener(self.flow_control.wake)  # completions, metrics, endpoints
 
     def _pool_saturation(self) -> float:
         """The whole pool's saturation by the config's detector, as flow control gates on it."""
         return self.runtimes.current.saturation_detector.saturation(self.datastore.snapshot())
+
+    def _endpoint_has_room(self, address: str) -> bool:
+        """Whether one endpoint is below the flow-control usage limit by the config's detector
+        (an endpoint no longer in the pool: yes, nothing is gained by waiting for it)."""
+        runtime = self.runtimes.current
+        states = self.datastore.snapshot((address,))
+        limit = runtime.flow_control.usage_limit if runtime.flow_control is not None else 1.0
+        return not states or runtime.saturation_detector.saturation(states) < limit
 
     def _forget_endpoints(self, old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
         """Drop the metric series of endpoints that left, so churn does not grow them forever."""
@@ -375,10 +386,39 @@ class Director:
         # it is scheduled after dispatch, on that moment's endpoints and metrics (late binding).
         flow_control = runtime.flow_control
         if flow_control is not None:
-            async with self.flow_control.dispatched(flow_control, request, runtime.priority(request)):
-                return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+            # The prompt is hashed (tokenized off the loop) before it waits, so the queue knows
+            # where its prefix is cached; its scheduling reuses that work.
+            cycle_state = CycleState()
+            candidates = self._candidates_or_none(subset)
+            if candidates:
+                await self._prepare_async(runtime, request, candidates, cycle_state)
+            affinity = self._affinity_lookup(runtime, request, subset, cycle_state)
+            async with self.flow_control.dispatched(flow_control, request, runtime.priority(request), affinity):
+                return await self._schedule(
+                    runtime, request, body, subset, started, log_request, trace, cycle_state if candidates else None
+                )
         # -- end of flow control
         return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+
+    def _candidates_or_none(self, subset: Sequence[str] | None) -> list[EndpointState] | None:
+        try:
+            return self.candidates(subset)
+        except RequestError:
+            return None
+
+    def _affinity_lookup(
+        self, runtime: Runtime, request: InferenceRequest, subset: Sequence[str] | None, cycle_state: CycleState
+    ) -> Callable[[], Affinity | None] | None:
+        """Where the request's prefix is cached, asked at dispatch time (None: no producer knows)."""
+        source = next((s.plugin for s in runtime.producers if isinstance(s.plugin, AffinitySource)), None)
+        if source is None:
+            return None
+
+        def lookup() -> Affinity | None:
+            candidates = self._candidates_or_none(subset)
+            return source.affinity(request, candidates, cycle_state) if candidates else None
+
+        return lookup
 
     async def _schedule(
         self,
@@ -389,13 +429,17 @@ class Director:
         started: float,
         log_request: bool,
         trace: tracing.RequestTrace | None,
+        prepared: CycleState | None = None,
     ) -> RoutedRequest:
-        """Admit, prepare, schedule and count a parsed request."""
+        """Admit, prepare, schedule and count a parsed request (`prepared`: its CycleState after
+        the async preparation, done before it waited in flow control)."""
         candidates = self.candidates(subset)
         self._admit(runtime, request, candidates)
         timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
-        cycle_state = CycleState()
-        await self._prepare_async(runtime, request, candidates, cycle_state, timed)
+        cycle_state = prepared
+        if cycle_state is None:
+            cycle_state = CycleState()
+            await self._prepare_async(runtime, request, candidates, cycle_state)
         prepare(runtime, request, candidates, cycle_state, timed)
         result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
         _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
@@ -429,7 +473,6 @@ class Director:
         request: InferenceRequest,
         candidates: Sequence[EndpointState],
         cycle_state: CycleState,
-        timed: bool,
     ) -> None:
         """Await the producers' async preparation, bounded by 400 ms in total; a timeout or
         failure is logged and `prepare` then works without it."""

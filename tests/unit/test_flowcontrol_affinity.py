@@ -1,0 +1,216 @@
+"""Late binding with prefix affinity: a request whose prefix holders are full waits for one of
+them (bounded) while requests behind it that can go now are dispatched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from picker.config.flowcontrol import flow_control_settings
+from picker.config.loader import build, parse_text
+from picker.config.schema import ConfigError
+from picker.datastore.endpoint import Endpoint
+from picker.datastore.store import Datastore
+from picker.flowcontrol.affinity import Affinity
+from picker.flowcontrol.controller import FlowController
+from picker.flowcontrol.policies import FcfsOrderingPolicy, RoundRobinFairnessPolicy
+from picker.flowcontrol.settings import DEFAULT_MAX_AFFINITY_WAIT, BandSettings, FlowControlSettings
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.plugin import ProfileRunResult, SchedulingResult
+from picker.framework.request import Api, InferenceRequest
+from picker.plugins import REGISTRY as PLUGINS
+from picker.prefix.plugins import PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY, ApproxPrefixCacheProducer
+
+FCFS = FcfsOrderingPolicy("fcfs")
+
+
+def settings(max_affinity_wait: float = 60.0, fairness: object = None) -> FlowControlSettings:
+    band = BandSettings(0, 0, fairness or RoundRobinFairnessPolicy("rr"), FCFS)  # type: ignore[arg-type]
+    return FlowControlSettings(0, 0, None, 1.0, band, max_affinity_wait=max_affinity_wait)
+
+
+def request(fairness_id: str = "f") -> InferenceRequest:
+    return InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text="x", fairness_id=fairness_id, size_bytes=10)
+
+
+class Pool:
+    """The pool's saturation and which endpoints have room, set by the test."""
+
+    def __init__(self) -> None:
+        self.saturation = 2.0
+        self.free: dict[str, bool] = {"a": False, "b": True}
+
+    def room_at(self, address: str) -> bool:
+        return self.free.get(address, True)
+
+
+def held_at(*holders: str) -> Affinity:
+    return Affinity(frozenset(holders))
+
+
+class Client:
+    """Sends requests through one controller and records the order of their dispatch."""
+
+    def __init__(self, controller: FlowController, config: FlowControlSettings) -> None:
+        self.controller = controller
+        self.config = config
+        self.order: list[str] = []
+        self.asked: list[str] = []
+
+    def send(
+        self, name: str, affinity: Affinity | None, priority: int = 0, fairness_id: str = "f"
+    ) -> asyncio.Task[None]:
+        def lookup() -> Affinity | None:
+            self.asked.append(name)
+            return affinity
+
+        async def one() -> None:
+            async with self.controller.dispatched(self.config, request(fairness_id), priority, lookup):
+                self.order.append(name)
+                await asyncio.sleep(0)  # the handoff lasts across an await
+
+        return asyncio.create_task(one())
+
+
+async def until(condition: object, seconds: float = 5.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.001)
+
+
+async def test_a_request_waits_for_its_full_holder_while_later_ones_go_and_goes_first_when_it_frees() -> None:
+    pool = Pool()
+    config = settings()
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    tasks = [
+        client.send("on-a-1", held_at("a")),
+        client.send("on-b", held_at("b")),
+        client.send("uncached", None),
+        client.send("on-a-2", held_at("a")),
+    ]
+    await until(lambda: controller.count == 4)
+    pool.saturation = 0.5  # room in the pool, none at a
+    controller.wake()
+    await until(lambda: client.order == ["on-b", "uncached"] and controller.parked == 2)
+    assert controller.count == 2 and client.asked == ["on-a-1", "on-b", "uncached", "on-a-2"]
+    pool.free["a"] = True  # a frees a slot: its requests go in their order, before anything newer
+    late = client.send("late-uncached", None)
+    controller.wake()
+    await asyncio.gather(*tasks, late)
+    assert client.order == ["on-b", "uncached", "on-a-1", "on-a-2", "late-uncached"]
+    assert controller.count == 0 and controller.parked == 0 and controller.bytes == 0
+
+
+async def test_the_wait_for_a_full_holder_ends_at_max_affinity_wait() -> None:
+    pool = Pool()
+    pool.saturation = 0.5
+    config = settings(max_affinity_wait=0.05)
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    started = time.monotonic()
+    await asyncio.wait_for(client.send("on-a", held_at("a")), 5.0)  # a stays full; nothing else wakes it
+    assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
+
+
+async def test_without_affinity_wait_or_with_room_at_a_holder_it_is_plain_late_binding() -> None:
+    pool = Pool()
+    pool.saturation = 0.5
+    config = settings(max_affinity_wait=0.0)  # maxAffinityWait 0s: never waits for a holder
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    await asyncio.wait_for(asyncio.gather(client.send("on-a", held_at("a")), client.send("on-b", held_at("a", "b"))), 5)
+    assert client.order == ["on-a", "on-b"] and controller.parked == 0
+
+
+async def test_a_parked_request_keeps_its_priority_and_leaves_at_once_when_cancelled() -> None:
+    pool = Pool()
+    config = settings()
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    high = client.send("high-on-a", held_at("a"), priority=5)
+    low = client.send("low-on-a", held_at("a"), priority=0)
+    gone = client.send("gone-on-a", held_at("a"), priority=5)
+    await until(lambda: controller.count == 3)
+    pool.saturation = 0.5
+    controller.wake()
+    await until(lambda: controller.parked == 3)
+    gone.cancel()
+    await until(lambda: controller.count == 2 and controller.parked == 2)
+    pool.free["a"] = True
+    controller.wake()
+    await asyncio.gather(high, low)
+    assert client.order == ["high-on-a", "low-on-a"]
+    assert controller.count == 0 and controller.bytes == 0
+
+
+async def test_round_robin_turns_are_kept_while_a_flow_waits_for_its_holder() -> None:
+    pool = Pool()
+    config = settings()
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    tasks = [client.send("x-on-a", held_at("a"), fairness_id="x")]
+    tasks += [client.send(f"x{i}", None, fairness_id="x") for i in range(2)]
+    tasks += [client.send(f"y{i}", None, fairness_id="y") for i in range(2)]
+    await until(lambda: controller.count == 5)
+    pool.saturation = 0.5
+    controller.wake()
+    await until(lambda: len(client.order) == 4)
+    # x's first turn went to the request now waiting for a; the flows still alternate.
+    assert client.order == ["y0", "x0", "y1", "x1"] and controller.parked == 1
+    pool.free["a"] = True
+    controller.wake()
+    await asyncio.gather(*tasks)
+    assert client.order[-1] == "x-on-a"
+
+
+def test_max_affinity_wait_is_read_from_the_flow_control_section() -> None:
+    text = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+flowControl: {maxAffinityWait: 250ms}
+"""
+    loaded = build(parse_text(text), Handle())
+    resolved = flow_control_settings(loaded.config, loaded.plugins)
+    assert resolved is not None and resolved.max_affinity_wait == 0.25
+    default = build(parse_text(text.replace("{maxAffinityWait: 250ms}", "{}")), Handle())
+    resolved = flow_control_settings(default.config, default.plugins)
+    assert resolved is not None and resolved.max_affinity_wait == DEFAULT_MAX_AFFINITY_WAIT
+    with pytest.raises(ConfigError, match="maxAffinityWait"):
+        parse_text(text.replace("250ms", "soon"))
+
+
+def test_the_producer_names_the_prefix_holder_and_the_prompt_is_hashed_once() -> None:
+    store = Datastore()
+    addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    store.set_endpoints([Endpoint(a.split(":")[0], 8000, name=a) for a in addresses])
+    registration = PLUGINS.lookup("approx-prefix-cache-producer")
+    assert registration is not None
+    producer = registration.factory("approx-prefix-cache-producer", {}, Handle(store))
+    assert isinstance(producer, ApproxPrefixCacheProducer)
+    prompt = "You are a helpful assistant. " * 40
+
+    def completion(question: str) -> InferenceRequest:
+        return InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text=prompt + question)
+
+    first = completion("one")
+    assert producer.affinity(first, store.snapshot(), CycleState()) is None  # cached nowhere yet
+    state = store.snapshot()[1]
+    cycle_state = CycleState()
+    producer.prepare(first, store.snapshot(), cycle_state)
+    routed = SchedulingResult({"default": ProfileRunResult((state,))}, "default", cycle_state)
+    producer.pre_request(first, routed)  # routed to the second endpoint
+
+    second, queued = completion("two"), CycleState()
+    affinity = producer.affinity(second, store.snapshot(), queued)
+    assert affinity is not None and affinity.holders == {state.address}
+    hashed = queued.read(PROMPT_BLOCKS_KEY)
+    calls: list[InferenceRequest] = []
+    original = producer.hasher.hash
+    producer.hasher.hash = lambda *args: calls.append(args[0]) or original(*args)  # type: ignore[method-assign]
+    producer.prepare(second, store.snapshot(), queued)  # the scheduling after dispatch reuses the blocks
+    assert calls == [] and queued.read(PREFIX_MATCH_KEY) is not None
+    assert queued.read(PROMPT_BLOCKS_KEY) is hashed
