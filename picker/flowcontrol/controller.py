@@ -35,9 +35,9 @@ from contextlib import asynccontextmanager
 from time import perf_counter
 from typing import Any
 
-from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.queues import Outcome, PriorityBand, QueuedRequest
 from picker.flowcontrol.settings import FlowControlSettings
+from picker.framework.plugin import Affinity
 from picker.framework.request import InferenceRequest
 from picker.request.errors import RequestError
 from picker.telemetry import metrics

@@ -12,9 +12,9 @@ import heapq
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 
-from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.policies import OrderingPolicy
 from picker.flowcontrol.settings import BandSettings
+from picker.framework.plugin import Affinity
 from picker.framework.request import InferenceRequest
 
 

@@ -7,7 +7,9 @@ scheduler find them with `isinstance`, so one instance may be, say, a DataProduc
 Order of calls for one request (`picker.requestcontrol.director.Director` runs them):
 
 1. `Parser.parse` turns the body into an `InferenceRequest`.
-2. Admission (the configured `SaturationDetector`).
+2. Admission (the configured `SaturationDetector`), or with the `flowControl` gate the queue:
+   `DataProducer.prepare_async` runs first and an `AffinitySource` names the prompt's prefix
+   holders, so the request can wait for one of them when dispatched (late binding).
 3. `DataProducer.prepare_async` (slow work off the event loop), then `DataProducer.prepare` for
    every producer in dependency order, writing per-request data into the `CycleState`.
 4. The scheduler: the `ProfileHandler` chooses profiles; each profile runs its Filters in order,
@@ -243,3 +245,23 @@ class SaturationDetector(Plugin):
 
     @abstractmethod
     def saturation(self, candidates: Sequence[EndpointState]) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """The endpoints holding the longest cached prefix of a prompt."""
+
+    holders: frozenset[str]
+
+
+class AffinitySource(ABC):
+    """A data producer that can say, before scheduling, where a request's prefix is cached: flow
+    control's late binding lets a request whose holders are all full wait for one of them (for at
+    most `maxAffinityWait`) instead of taking whichever pod frees a slot first."""
+
+    @abstractmethod
+    def affinity(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> Affinity | None:
+        """The request's prefix holders among `candidates` (None: nothing cached anywhere).
+        What it computes from the prompt is kept in `cycle_state` for the scheduling that follows."""

@@ -38,11 +38,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import EndpointState
-from picker.flowcontrol.affinity import Affinity, AffinitySource
 from picker.framework.cycle_state import CycleState, StateKey
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
 from picker.framework.plugin import (
+    Affinity,
+    AffinitySource,
     DataProducer,
     PreRequest,
     ResponseComplete,

@@ -24,10 +24,9 @@ from typing import Any
 from picker.config.runtime import Runtime, RuntimeHolder, Step
 from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
-from picker.flowcontrol.affinity import Affinity, AffinitySource
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import SchedulingResult
+from picker.framework.plugin import Affinity, AffinitySource, SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage

@@ -13,13 +13,12 @@ from picker.config.loader import build, parse_text
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
-from picker.flowcontrol.affinity import Affinity
 from picker.flowcontrol.controller import FlowController
 from picker.flowcontrol.policies import FcfsOrderingPolicy, RoundRobinFairnessPolicy
 from picker.flowcontrol.settings import DEFAULT_MAX_AFFINITY_WAIT, BandSettings, FlowControlSettings
 from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
-from picker.framework.plugin import ProfileRunResult, SchedulingResult
+from picker.framework.plugin import Affinity, ProfileRunResult, SchedulingResult
 from picker.framework.request import Api, InferenceRequest
 from picker.plugins import REGISTRY as PLUGINS
 from picker.prefix.plugins import PREFIX_MATCH_KEY, PROMPT_BLOCKS_KEY, ApproxPrefixCacheProducer
