@@ -1,0 +1,86 @@
+"""How the ext_proc RPC ends, over a real grpc.aio server and channel.
+
+A grpc.aio client stands in for Envoy (no Envoy here: the point is the RPC's end, measured in
+this process). Envoy resets each ext_proc stream once its HTTP exchange is over; grpc.aio leaks
+a native `grpc_op` array per RPC whose final status meets that reset (grpc/grpc#43360), which
+was most of picker's RSS growth of ~100-140 bytes per request (BENCHMARKS.md). The picker ends
+the RPC itself as soon as Envoy has sent the last message of both directions, so no receive is
+left pending when the reset arrives and its status usually goes out first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from picker.extproc.servicer import ExternalProcessor
+from tests.unit.test_extproc_stream import body, director, headers
+
+BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
+
+
+def response_headers() -> pb.ProcessingRequest:
+    status = base_pb2.HeaderValue(key=":status", raw_value=b"200")
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[status])))
+
+
+def response_body(eos: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=eos))
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(director()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def exchange(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStreamCall:
+    """One duplex HTTP exchange as Envoy sends it, every answer read, the stream left open."""
+    call = stub.Process()
+    await call.write(headers())
+    await call.write(body(BODY, True))
+    await call.read()  # the routing headers response
+    await call.read()  # the re-emitted body
+    await call.write(response_headers())
+    await call.read()
+    await call.write(response_body(False))
+    await call.read()
+    await call.write(response_body(True))
+    await call.read()
+    return call
+
+
+async def test_the_picker_ends_the_rpc_once_envoy_sent_its_last_message(
+    stub: pb_grpc.ExternalProcessorStub,
+) -> None:
+    call = await exchange(stub)
+    # No half-close from the client: the picker alone must end the RPC.
+    assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
+
+
+async def test_the_rpc_stays_open_while_the_response_is_still_coming(stub: pb_grpc.ExternalProcessorStub) -> None:
+    call = stub.Process()
+    await call.write(headers())
+    await call.write(body(BODY, True))
+    await call.read()
+    await call.read()
+    await call.write(response_headers())
+    await call.read()
+    await call.write(response_body(True))  # answered: the RPC was still open
+    answer = await call.read()
+    assert answer.response_body.response.body_mutation.streamed_response.end_of_stream
