@@ -10,6 +10,7 @@ when it ends for any reason.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ class ExtProcSettings:
 
     max_body_bytes: int = 16 << 20
     honour_subset_hint: bool = True
+    # How long a stream whose exchange is over waits for the proxy to close it before ending it.
+    close_wait_seconds: float = 5.0
 
 
 def _out_of_order(what: str) -> RequestError:
@@ -209,6 +212,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.director = director
         self.settings = settings
 
+    async def _await_close(self) -> None:
+        """Wait, without a gRPC operation pending, for the proxy to close a finished stream.
+
+        Envoy resets each ext_proc stream once its exchange is over. grpc.aio leaks the native
+        `grpc_op` array (~100 bytes) of a batch pending at a reset or failing on it
+        (grpc/grpc#43360): a receive for the next message, or the final status sent just after
+        the reset. Idle here, the reset only cancels this task; a proxy that never closes the
+        stream gets the status after `close_wait_seconds`.
+        """
+        await asyncio.sleep(self.settings.close_wait_seconds)
+
     async def Process(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
@@ -224,6 +238,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     error = e.code
                     metrics.STREAM_ERRORS.labels(e.code).inc()
                     yield messages.immediate(e.status, e.body())
+                    await self._await_close()
                     return
                 except Exception:
                     # A bug must cost one request, never the stream's peers or the process.
@@ -233,13 +248,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     yield messages.immediate(
                         500, RequestError("Internal", "internal error in the endpoint picker").body()
                     )
+                    await self._await_close()
                     return
                 for response in responses:
                     yield response
                 if stream.exchange_ended:
-                    # End the RPC now rather than wait for Envoy to close it: Envoy resets the
-                    # stream once it is done, and grpc.aio leaks ~100 bytes of native memory
-                    # per RPC whose final status meets a reset (grpc/grpc#43360).
+                    error = None
+                    await self._await_close()
                     break
             error = None
         finally:
