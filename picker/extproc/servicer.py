@@ -212,8 +212,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.director = director
         self.settings = settings
 
-    async def _await_close(self) -> None:
-        """Wait, without a gRPC operation pending, for the proxy to close a finished stream.
+    async def _await_close(self, stream: _Stream, error: str | None) -> None:
+        """Finish the request now, then wait, without a gRPC operation pending, for the proxy
+        to close the stream.
 
         Envoy resets each ext_proc stream once its exchange is over. grpc.aio leaks the native
         `grpc_op` array (~100 bytes) of a batch pending at a reset or failing on it
@@ -221,6 +222,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         the reset. Idle here, the reset only cancels this task; a proxy that never closes the
         stream gets the status after `close_wait_seconds`.
         """
+        stream.close(error)  # in-flight released and outcome recorded without waiting
         await asyncio.sleep(self.settings.close_wait_seconds)
 
     async def Process(  # noqa: N802 (gRPC method name)
@@ -238,7 +240,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     error = e.code
                     metrics.STREAM_ERRORS.labels(e.code).inc()
                     yield messages.immediate(e.status, e.body())
-                    await self._await_close()
+                    await self._await_close(stream, error)
                     return
                 except Exception:
                     # A bug must cost one request, never the stream's peers or the process.
@@ -248,13 +250,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     yield messages.immediate(
                         500, RequestError("Internal", "internal error in the endpoint picker").body()
                     )
-                    await self._await_close()
+                    await self._await_close(stream, error)
                     return
                 for response in responses:
                     yield response
                 if stream.exchange_ended:
                     error = None
-                    await self._await_close()
+                    await self._await_close(stream, error)
                     break
             error = None
         finally:

@@ -23,7 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
-from tests.unit.test_extproc_stream import body, director, headers
+from picker.requestcontrol.director import Director
+from tests.unit.test_extproc_stream import ENDPOINTS, body, director, headers
 
 BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
 
@@ -38,11 +39,16 @@ def response_body(eos: bool) -> pb.ProcessingRequest:
 
 
 @pytest.fixture
-async def stub() -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+def picker_director() -> Director:
+    return director()
+
+
+@pytest.fixture
+async def stub(picker_director: Director) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
     server = grpc.aio.server()
     # A short wait for the proxy's close: the stand-in below closes only when a test says so.
-    settings = ExtProcSettings(close_wait_seconds=0.2)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(director(), settings), server)
+    settings = ExtProcSettings(close_wait_seconds=0.5)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker_director, settings), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -70,9 +76,12 @@ async def exchange(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStream
 
 
 async def test_the_picker_ends_the_rpc_once_envoy_sent_its_last_message(
-    stub: pb_grpc.ExternalProcessorStub,
+    stub: pb_grpc.ExternalProcessorStub, picker_director: Director
 ) -> None:
     call = await exchange(stub)
+    # The request is over for the picker at once, not when the RPC ends.
+    assert not call.done()
+    assert all(picker_director.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)
     # Neither a half-close nor a reset from the stand-in: the picker alone ends the RPC.
     assert await asyncio.wait_for(call.code(), timeout=10) == grpc.StatusCode.OK
 
