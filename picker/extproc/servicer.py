@@ -10,6 +10,7 @@ when it ends for any reason.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ class ExtProcSettings:
 
     max_body_bytes: int = 16 << 20
     honour_subset_hint: bool = True
+    # How long a stream whose exchange is over waits for the proxy to close it before ending it.
+    close_wait_seconds: float = 5.0
 
 
 def _out_of_order(what: str) -> RequestError:
@@ -48,7 +51,9 @@ class _Stream:
         "chunks",
         "director",
         "headers",
+        "request_ended",
         "request_mode",
+        "response_ended",
         "response_mode",
         "routed",
         "send_body_early",
@@ -68,6 +73,13 @@ class _Stream:
         self.body_size = 0
         self.chunks = 0
         self.routed: RoutedRequest | None = None
+        self.request_ended = False
+        self.response_ended = False
+
+    @property
+    def exchange_ended(self) -> bool:
+        """Envoy has sent the last message of both directions: nothing more will come."""
+        return self.request_ended and self.response_ended
 
     # -- request path -----------------------------------------------------------------------
 
@@ -80,6 +92,7 @@ class _Stream:
             self.response_mode = config.response_body_mode
             self.send_body_early = config.send_body_without_waiting_for_header_response
         self.headers = messages.header_map(req.request_headers.headers)
+        self.request_ended = req.request_headers.end_of_stream
         if self.settings.honour_subset_hint:
             self.subset = messages.subset_hint(req)
         if req.request_headers.end_of_stream or (self.request_mode == STREAMED and not self.send_body_early):
@@ -92,6 +105,7 @@ class _Stream:
         return []  # duplex, or STREAMED with the body sent early: answered once the body is seen
 
     async def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.request_ended = req.request_body.end_of_stream
         if self.routed is not None:  # routed on headers (STREAMED without the early body)
             return [messages.continue_request_body()]
         if not self.headers:
@@ -112,6 +126,7 @@ class _Stream:
     async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
         if not self.headers:
             raise _out_of_order("request trailers before request headers")
+        self.request_ended = True
         if self.routed is None:  # trailers end the body in duplex mode
             return await self._route_body(trailers_follow=True) + [messages.continue_request_trailers()]
         return [messages.continue_request_trailers()]
@@ -138,6 +153,7 @@ class _Stream:
     # -- response path ----------------------------------------------------------------------
 
     def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.response_ended = req.response_headers.end_of_stream
         routed = self.routed
         if routed is not None:
             headers = messages.header_map(req.response_headers.headers)
@@ -152,7 +168,7 @@ class _Stream:
 
     def on_response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         chunk = req.response_body.body
-        end = req.response_body.end_of_stream
+        end = self.response_ended = req.response_body.end_of_stream
         routed = self.routed
         if routed is not None:
             routed.response_body(chunk, end, None if routed.served is not None else messages.served_endpoint(req))
@@ -161,6 +177,7 @@ class _Stream:
         return [messages.continue_response_body()]
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        self.response_ended = True
         if self.routed is not None:
             self.routed.response_trailers()
         return [messages.continue_response_trailers()]
@@ -195,6 +212,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         self.director = director
         self.settings = settings
 
+    async def _await_close(self, stream: _Stream, error: str | None) -> None:
+        """Finish the request now, then wait, without a gRPC operation pending, for the proxy
+        to close the stream.
+
+        Envoy resets each ext_proc stream once its exchange is over. grpc.aio leaks the native
+        `grpc_op` array (~100 bytes) of a batch pending at a reset or failing on it
+        (grpc/grpc#43360): a receive for the next message, or the final status sent just after
+        the reset. Idle here, the reset only cancels this task; a proxy that never closes the
+        stream gets the status after `close_wait_seconds`.
+        """
+        stream.close(error)  # in-flight released and outcome recorded without waiting
+        await asyncio.sleep(self.settings.close_wait_seconds)
+
     async def Process(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
@@ -210,6 +240,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     error = e.code
                     metrics.STREAM_ERRORS.labels(e.code).inc()
                     yield messages.immediate(e.status, e.body())
+                    await self._await_close(stream, error)
                     return
                 except Exception:
                     # A bug must cost one request, never the stream's peers or the process.
@@ -219,9 +250,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     yield messages.immediate(
                         500, RequestError("Internal", "internal error in the endpoint picker").body()
                     )
+                    await self._await_close(stream, error)
                     return
                 for response in responses:
                     yield response
+                if stream.exchange_ended:
+                    error = None
+                    await self._await_close(stream, error)
+                    break
             error = None
         finally:
             stream.close(error)
