@@ -107,11 +107,14 @@ def test_each_routed_request_is_one_request_span_with_plugin_children_at_the_otl
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "1")  # the reference's parentbased_traceidratio, every trace
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # the batch exporter's delay (ms): a quick test
     sim, pods = start_sim_pods(2, log_dir, name="sim-tracing")
-    config = tmp_path / "config.yaml"
-    config.write_text(CONFIG)
-    picker = start_picker(log_dir, "--endpoints", ",".join(pods), "--config-file", str(config), name="picker-tracing")
-    envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-tracing")
+    picker = envoy = None
     try:
+        config = tmp_path / "config.yaml"
+        config.write_text(CONFIG)
+        picker = start_picker(
+            log_dir, "--endpoints", ",".join(pods), "--config-file", str(config), name="picker-tracing"
+        )
+        envoy = start_envoy("duplex", picker.grpc_port, log_dir, name="envoy-tracing")
         ids = [f"traced-{n}" for n in range(4)]
         for n, request_id in enumerate(ids):
             body = json.dumps({"model": MODEL, "prompt": f"question {n}", "max_tokens": 2}).encode()
@@ -164,7 +167,7 @@ def test_each_routed_request_is_one_request_span_with_plugin_children_at_the_otl
         bad = requests["traced-bad"]
         assert bad.status.code == trace_pb2.Status.STATUS_CODE_ERROR
         assert orchestrations[bad.span_id].status.code == trace_pb2.Status.STATUS_CODE_ERROR
-    finally:
-        envoy.stop()
-        picker.stop()
-        sim.stop()
+    finally:  # whatever started, even if a later start failed
+        for process in (envoy, picker, sim):
+            if process is not None:
+                process.stop()
