@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from picker.config.objectives import parse_objectives
 from picker.config.runtime import Runtime, RuntimeHolder
@@ -25,8 +24,7 @@ from picker.datalayer.layer import DataLayer
 from picker.datalayer.plugins import ScrapeSettings, scrape_settings
 from picker.datastore.store import Datastore
 from picker.discovery.static import EndpointFile, EndpointListError, parse_endpoint_flag
-from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
-from picker.extproc.tls import server_credentials
+from picker.extproc.server import ExtProcServer, ExtProcSettings, Tls
 from picker.framework.durations import parse_duration as parse_go_duration
 from picker.requestcontrol.director import Director
 from picker.state.url import StoreUrl, parse_store_url
@@ -515,9 +513,8 @@ class PickerServer:
         self.draining = False
         self.endpoint_file: EndpointFile | None = None
         self.discovery: KubernetesDiscovery | None = None
-        self.grpc_server: grpc.aio.Server | None = None
+        self.ext_proc_server: ExtProcServer | None = None
         self.health_server: grpc.aio.Server | None = None
-        self.ext_proc_health: health.aio.HealthServicer | None = None  # --health-checking
         self.metrics_runner: web.AppRunner | None = None
         self.kube_api: kube_client.ApiClient | None = None  # leader election and metrics auth
         self.leader_elector: LeaderElector | None = None
@@ -691,20 +688,15 @@ class PickerServer:
             max_body_bytes=args.max_body_bytes,
             honour_subset_hint=not args.disable_endpoint_subset_filter,
         )
-        # Workers share the port through SO_REUSEPORT; one process alone must own it.
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", int(self.worker is not None))]
-        self.grpc_server = grpc.aio.server(options=options)
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.director, settings), self.grpc_server)
-        if args.health_checking:  # as the reference: the standard health service beside ext_proc
-            self.ext_proc_health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self.ext_proc_health, self.grpc_server)
-            for service in ("", EXT_PROC_SERVICE):
-                await self.ext_proc_health.set(service, health_pb2.HealthCheckResponse.SERVING)
         address = f"{bind}:{args.grpc_port}"
-        if args.secure_serving:
-            self.grpc_server.add_secure_port(address, server_credentials(args.cert_path))
-        else:
-            self.grpc_server.add_insecure_port(address)
+        tls = None
+        if args.secure_serving and args.cert_path:
+            tls = Tls(cert_dir=args.cert_path)
+        elif args.secure_serving:  # as the reference: a self-signed certificate made at start
+            from picker.extproc.tls import self_signed_certificate
+
+            key, cert = self_signed_certificate()
+            tls = Tls(key_pem=key, cert_pem=cert)
         decisions = self.decisions.entries if self.decisions is not None else None
         app = metrics_app(decisions, self.runtimes.describe, await self._access_reviewer())
         if self.features.pprof:
@@ -713,7 +705,15 @@ class PickerServer:
             self.metrics_runner = await start_metrics_socket(app, self.worker.metrics_socket)
         else:
             self.metrics_runner = await start_metrics_server(app, bind, args.metrics_port)
-        await self.grpc_server.start()
+        self.ext_proc_server = ExtProcServer(self.director, settings)
+        self.ext_proc_server.start(
+            address,
+            # Workers share the port through SO_REUSEPORT; one process alone must own it.
+            reuse_port=self.worker is not None,
+            tls=tls,
+            # as the reference: the standard health service beside ext_proc
+            health_services=("", EXT_PROC_SERVICE) if args.health_checking else (),
+        )
         self.started = True
         if self.features.leader_election:
             await self._start_leader_election()
@@ -731,8 +731,8 @@ class PickerServer:
         """Report NOT_SERVING, keep serving for `--shutdown-delay`, then stop (see `stop`)."""
         self.draining = True
         await self._stop_leader_election()  # a standby takes over while this replica drains
-        if self.ext_proc_health is not None:
-            await self.ext_proc_health.enter_graceful_shutdown()
+        if self.ext_proc_server is not None:
+            self.ext_proc_server.enter_graceful_shutdown()
         if self.args.shutdown_delay > 0:
             log.info("draining for %.1fs before stopping", self.args.shutdown_delay)
             await asyncio.sleep(self.args.shutdown_delay)
@@ -756,9 +756,10 @@ class PickerServer:
         if self.state_sync is not None:
             await self.state_sync.stop()
         await self.data_layer.stop()
-        for server in (self.grpc_server, self.health_server):
-            if server is not None:
-                await server.stop(grace=self.args.shutdown_grace)
+        if self.ext_proc_server is not None:
+            await self.ext_proc_server.stop(self.args.shutdown_grace)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=self.args.shutdown_grace)
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
         if self.kube_api is not None:

@@ -207,10 +207,14 @@ class RoutedRequest:
         if end_of_stream:
             self.finish()
 
-    def response_body(self, chunk: bytes, end_of_stream: bool, served: str | None = None) -> None:
-        """A chunk of the response body passed; usage is read from it (SSE or whole JSON)."""
+    def response_body(
+        self, chunk: bytes, end_of_stream: bool, served: str | None = None, first_byte_at: float | None = None
+    ) -> None:
+        """A chunk of the response body passed; usage is read from it (SSE or whole JSON).
+        `first_byte_at`: when the first byte passed (`time.monotonic()`), if the transport
+        reports chunks together after the fact."""
         if self.first_byte_at is None and chunk:
-            self.first_byte_at = time.monotonic()
+            self.first_byte_at = first_byte_at or time.monotonic()
         self.response_bytes += len(chunk)
         if self.served is None:
             self.served = served

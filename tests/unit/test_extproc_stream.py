@@ -1,12 +1,20 @@
-"""The ext_proc stream state machine on its own: any message order, any chunking."""
+"""The ext_proc stream state machine: any message order, any chunking.
+
+The compiled core (native/extproc) serves on a real socket; a grpc.aio client stands in for
+Envoy (no Envoy here: the point is the protocol handling, in this process).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Callable, Sequence
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +22,9 @@ from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.extproc.messages import BODY_CHUNK_BYTES, BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
-from picker.extproc.servicer import ExtProcSettings, _Stream
-from picker.request.errors import RequestError
+from picker.extproc.server import ExtProcServer, ExtProcSettings
 from picker.requestcontrol.director import Director
+from tests.sim_fixtures import eventually
 
 ENDPOINTS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
 
@@ -51,43 +59,84 @@ def body(chunk: bytes, eos: bool) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=chunk, end_of_stream=eos))
 
 
+# A short wait for the proxy's close: the stand-in closes only when a test says so.
+SHORT_CLOSE_WAIT = ExtProcSettings(close_wait_seconds=0.5)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    d: Director, settings_: ExtProcSettings = SHORT_CLOSE_WAIT
+) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    """The picker's ext_proc server on a free port, and a client stub for it."""
+    server = ExtProcServer(d, settings_)
+    port = server.start("127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def exchange(
+    stub: pb_grpc.ExternalProcessorStub, messages: Sequence[pb.ProcessingRequest], answers: int
+) -> tuple[grpc.aio.StreamStreamCall, list[pb.ProcessingResponse]]:
+    """Send `messages`, then read `answers` answers; the stream stays open."""
+    call = stub.Process()
+    for message in messages:
+        await call.write(message)
+    return call, [await asyncio.wait_for(call.read(), 10) for _ in range(answers)]
+
+
+async def released(d: Director) -> None:
+    """Wait until no request is in flight on any endpoint (the picker released them all)."""
+
+    async def check() -> bool:
+        return all(d.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)
+
+    await eventually(check, deadline_s=5)
+
+
 async def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() -> None:
     d = director()
-    stream = _Stream(d, ExtProcSettings())
     payload = json.dumps({"model": "m", "prompt": "p" * 70000}).encode()
-    assert (await stream.dispatch(headers())) == []
-    for i in range(len(payload) - 1):
-        assert (await stream.dispatch(body(payload[i : i + 1], False))) == []
-    out = await stream.dispatch(body(payload[-1:], True))
-    header_response, *chunks = out
-    mutation = {
-        h.header.key: h.header.raw_value for h in header_response.request_headers.response.header_mutation.set_headers
-    }
-    assert mutation["content-length"] == str(len(payload)).encode()
-    assert mutation["x-gateway-destination-endpoint"] in {e.address.encode() for e in ENDPOINTS}
-    bodies = [c.request_body.response.body_mutation.streamed_response for c in chunks]
-    assert b"".join(b.body for b in bodies) == payload
-    assert all(len(b.body) <= BODY_CHUNK_BYTES for b in bodies)
-    assert [b.end_of_stream for b in bodies] == [False] * (len(bodies) - 1) + [True]
-    stream.close(None)
-    assert all(d.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)
+    messages = [headers()] + [body(payload[i : i + 1], i == len(payload) - 1) for i in range(len(payload))]
+    async with serving(d) as stub:
+        count = -(-len(payload) // BODY_CHUNK_BYTES)
+        # Nothing is answered before the body's end: the first answer is the routing one.
+        call, (header_response, *chunks) = await exchange(stub, messages, 1 + count)
+        mutation = {
+            h.header.key: h.header.raw_value
+            for h in header_response.request_headers.response.header_mutation.set_headers
+        }
+        assert mutation["content-length"] == str(len(payload)).encode()
+        assert mutation["x-gateway-destination-endpoint"] in {e.address.encode() for e in ENDPOINTS}
+        bodies = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+        assert b"".join(b.body for b in bodies) == payload
+        assert all(len(b.body) <= BODY_CHUNK_BYTES for b in bodies)
+        assert [b.end_of_stream for b in bodies] == [False] * (len(bodies) - 1) + [True]
+        await call.done_writing()  # the proxy closes its side: the request ends with the stream
+        await released(d)
 
 
 async def test_trailers_end_the_body_in_duplex_mode() -> None:
-    stream = _Stream(director(), ExtProcSettings())
-    await stream.dispatch(headers())
-    await stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), False))
-    out = await stream.dispatch(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    messages = [
+        headers(),
+        body(json.dumps({"model": "m", "prompt": "x"}).encode(), False),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+    ]
+    async with serving(director()) as stub:
+        _, out = await exchange(stub, messages, 3)
     assert out[0].HasField("request_headers")
     assert out[1].request_body.response.body_mutation.streamed_response.end_of_stream is False
     assert out[-1].HasField("request_trailers")
 
 
 async def test_buffered_mode_answers_headers_then_routes_in_the_body_response() -> None:
-    stream = _Stream(director(), ExtProcSettings())
-    (first,) = await stream.dispatch(headers(mode=BUFFERED))
+    messages = [headers(mode=BUFFERED), body(json.dumps({"model": "m", "prompt": "x"}).encode(), True)]
+    async with serving(director()) as stub:
+        _, (first, routed) = await exchange(stub, messages, 2)
     assert first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
-    (routed,) = await stream.dispatch(body(json.dumps({"model": "m", "prompt": "x"}).encode(), True))
     assert routed.request_body.response.clear_route_cache
     assert routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
 
@@ -115,32 +164,57 @@ def message(kind: str, data: bytes, mode: int) -> pb.ProcessingRequest:
     return pb.ProcessingRequest()
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    mode=st.sampled_from([BUFFERED, STREAMED, FULL_DUPLEX_STREAMED]),
-    script=st.lists(
-        st.tuples(
-            KINDS,
-            st.binary(max_size=64)
-            | st.sampled_from(
-                [b'{"model":"m","prompt":"x"}', b'data: {"usage":{"prompt_tokens":3}}\n\n', b"\xff\xfe", b"{"]
+async def play_script(
+    d: Director, scripts: list[tuple[int, list[tuple[str, bytes]]]], end: Callable[[grpc.aio.StreamStreamCall], None]
+) -> None:
+    """Play each script on its own stream of one server; every answer is read until the RPC
+    ends (the stand-in ends its side with `end`)."""
+    async with serving(d, ExtProcSettings(max_body_bytes=256, close_wait_seconds=0.2)) as stub:
+        for mode, script in scripts:
+            call = stub.Process()
+            for kind, data in script:
+                await call.write(message(kind, data, mode))
+            end(call)
+            answers = []
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                async for answer in call:
+                    answers.append(answer)
+            for answer in answers:
+                if answer.HasField("immediate_response"):
+                    assert answer.immediate_response.status.code in (400, 413, 503)
+        await released(d)
+
+
+SCRIPTS = st.lists(
+    st.tuples(
+        st.sampled_from([BUFFERED, STREAMED, FULL_DUPLEX_STREAMED]),
+        st.lists(
+            st.tuples(
+                KINDS,
+                st.binary(max_size=64)
+                | st.sampled_from(
+                    [b'{"model":"m","prompt":"x"}', b'data: {"usage":{"prompt_tokens":3}}\n\n', b"\xff\xfe", b"{"]
+                ),
             ),
+            max_size=12,
         ),
-        max_size=12,
     ),
+    min_size=1,
+    max_size=8,
 )
-def test_any_message_order_never_breaks_the_stream_and_always_releases(mode: int, script) -> None:
+
+
+@settings(max_examples=40, deadline=None)
+@given(scripts=SCRIPTS)
+def test_any_message_order_never_breaks_the_stream_and_always_releases(scripts) -> None:
+    # The proxy half-closes after its last message: the picker ends the RPC.
     d = director()
-    stream = _Stream(d, ExtProcSettings(max_body_bytes=256))
+    asyncio.run(play_script(d, scripts, lambda call: asyncio.ensure_future(call.done_writing())))
 
-    async def play() -> None:
-        for kind, data in script:
-            try:
-                await stream.dispatch(message(kind, data, mode))
-            except RequestError as e:
-                assert e.status in (400, 413, 503)
-                return
 
-    asyncio.run(play())
-    stream.close("cancelled")
-    assert all(d.datastore.in_flight(e.address) == 0 for e in ENDPOINTS)
+@settings(max_examples=40, deadline=None)
+@given(scripts=SCRIPTS)
+def test_any_message_order_then_a_reset_always_releases(scripts) -> None:
+    # The proxy resets the stream after its last message (the client went away).
+    d = director()
+    asyncio.run(play_script(d, scripts, lambda call: call.cancel()))

@@ -1,0 +1,178 @@
+//! picker's ext_proc transport core: the ext_proc stream state machine on a tokio thread, the
+//! decisions (and what the response teaches) in Python. See native/README.md.
+
+mod bridge;
+mod messages;
+mod server;
+mod stream;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use bridge::{Answer, Bridge, Event};
+use server::{Running, ServeOptions, Tls};
+use stream::Settings;
+
+/// Event kinds, the first item of each tuple `drain` returns.
+const ROUTE: u8 = 0;
+const ROUTE_WITHOUT_BODY: u8 = 1;
+const FAIL: u8 = 2;
+const RESPONSE_HEADERS: u8 = 3;
+const RESPONSE_BODY: u8 = 4;
+const RESPONSE_TRAILERS: u8 = 5;
+const CLOSED: u8 = 6;
+const LOG: u8 = 7;
+
+/// One ext_proc server: `serve` starts it on its own thread; the asyncio loop watches
+/// `wake_fd`, calls `drain` for the events, and answers with `route` / `reject`.
+#[pyclass(frozen)]
+struct Core {
+    bridge: Arc<Bridge>,
+    settings: Settings,
+    running: Mutex<Option<Running>>,
+}
+
+fn event_to_py<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match event {
+        Event::Route { id, body, headers, subset } => {
+            let map = PyDict::new(py);
+            for (k, v) in headers {
+                map.set_item(k, v)?;
+            }
+            (ROUTE, id, PyBytes::new(py, &body), map, subset).into_pyobject(py)?.into_any()
+        }
+        Event::RouteWithoutBody { id, subset } => (ROUTE_WITHOUT_BODY, id, subset).into_pyobject(py)?.into_any(),
+        Event::Fail { id, code, message } => (FAIL, id, code, message).into_pyobject(py)?.into_any(),
+        Event::ResponseHeaders { id, status, served, content_type, end_of_stream } => {
+            (RESPONSE_HEADERS, id, status, served, content_type, end_of_stream).into_pyobject(py)?.into_any()
+        }
+        Event::ResponseBody { id, data, end_of_stream, served, first_byte_at } => {
+            (RESPONSE_BODY, id, PyBytes::new(py, &data), end_of_stream, served, first_byte_at)
+                .into_pyobject(py)?
+                .into_any()
+        }
+        Event::ResponseTrailers { id } => (RESPONSE_TRAILERS, id).into_pyobject(py)?.into_any(),
+        Event::Closed { id, error } => (CLOSED, id, error).into_pyobject(py)?.into_any(),
+        Event::Log { level, message } => (LOG, level, message).into_pyobject(py)?.into_any(),
+    })
+}
+
+#[pymethods]
+impl Core {
+    #[new]
+    #[pyo3(signature = (max_body_bytes, honour_subset_hint, close_wait_seconds))]
+    fn new(max_body_bytes: usize, honour_subset_hint: bool, close_wait_seconds: f64) -> PyResult<Self> {
+        let close_wait = Duration::try_from_secs_f64(close_wait_seconds)
+            .map_err(|e| PyValueError::new_err(format!("close_wait_seconds: {e}")))?;
+        Ok(Self {
+            bridge: Arc::new(Bridge::new().map_err(|e| PyOSError::new_err(e.to_string()))?),
+            settings: Settings { max_body_bytes, honour_subset_hint, close_wait },
+            running: Mutex::new(None),
+        })
+    }
+
+    /// Bind `address` and serve on a new thread; the bound port. TLS from `tls_key`+`tls_cert`
+    /// (PEM) or from `cert_dir` (tls.crt, tls.key; reloaded when they change), else plaintext.
+    #[pyo3(signature = (address, *, reuse_port, max_receive_bytes, tls_key=None, tls_cert=None, cert_dir=None, health_services=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn serve(
+        &self,
+        py: Python<'_>,
+        address: String,
+        reuse_port: bool,
+        max_receive_bytes: usize,
+        tls_key: Option<Vec<u8>>,
+        tls_cert: Option<Vec<u8>>,
+        cert_dir: Option<PathBuf>,
+        health_services: Vec<String>,
+    ) -> PyResult<u16> {
+        let tls = match (tls_key, tls_cert, cert_dir) {
+            (Some(key), Some(cert), None) => Some(Tls::Fixed(key, cert)),
+            (None, None, Some(dir)) => Some(Tls::Directory(dir)),
+            (None, None, None) => None,
+            _ => return Err(PyValueError::new_err("TLS: give tls_key and tls_cert, or cert_dir")),
+        };
+        let mut running = self.running.lock().unwrap();
+        if running.is_some() {
+            return Err(PyRuntimeError::new_err("already serving"));
+        }
+        let options = ServeOptions { address, reuse_port, max_receive_bytes, tls, health_services, settings: self.settings };
+        let bridge = self.bridge.clone();
+        let started = py.detach(|| server::serve(options, bridge)).map_err(PyOSError::new_err)?;
+        let port = started.port;
+        *running = Some(started);
+        Ok(port)
+    }
+
+    /// The descriptor that becomes readable when events wait.
+    fn wake_fd(&self) -> i32 {
+        self.bridge.wake_fd()
+    }
+
+    /// The events queued since the last call, as tuples (kind first).
+    fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.bridge.take();
+        let list = PyList::empty(py);
+        for event in events {
+            list.append(event_to_py(py, event)?)?;
+        }
+        Ok(list)
+    }
+
+    /// The pick for stream `id`; `body` when the director replaced it; `chunks`: report each
+    /// response chunk. False when the stream is gone.
+    #[pyo3(signature = (id, destination, body, chunks))]
+    fn route(&self, id: u64, destination: String, body: Option<Vec<u8>>, chunks: bool) -> bool {
+        self.bridge.answer(id, Answer::Route { destination, body, chunks })
+    }
+
+    /// Answer stream `id`'s client directly (status, JSON body). False when the stream is gone.
+    fn reject(&self, id: u64, status: u16, body: Vec<u8>) -> bool {
+        self.bridge.answer(id, Answer::Reject { status, body })
+    }
+
+    /// Open ext_proc streams.
+    fn streams_active(&self) -> i64 {
+        self.bridge.streams_active.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The health service (if any) reports NOT_SERVING from now on.
+    fn enter_graceful_shutdown(&self) {
+        if let Some(running) = self.running.lock().unwrap().as_ref() {
+            running.not_serving();
+        }
+    }
+
+    /// Stop accepting, give open streams `grace` seconds, then close them all.
+    fn stop(&self, py: Python<'_>, grace: f64) -> PyResult<()> {
+        let grace = Duration::try_from_secs_f64(grace).map_err(|e| PyValueError::new_err(format!("grace: {e}")))?;
+        let running = self.running.lock().unwrap().take();
+        if let Some(mut running) = running {
+            py.detach(move || running.stop(grace));
+        }
+        Ok(())
+    }
+}
+
+#[pymodule]
+fn picker_extproc_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<Core>()?;
+    for (name, value) in [
+        ("ROUTE", ROUTE),
+        ("ROUTE_WITHOUT_BODY", ROUTE_WITHOUT_BODY),
+        ("FAIL", FAIL),
+        ("RESPONSE_HEADERS", RESPONSE_HEADERS),
+        ("RESPONSE_BODY", RESPONSE_BODY),
+        ("RESPONSE_TRAILERS", RESPONSE_TRAILERS),
+        ("CLOSED", CLOSED),
+        ("LOG", LOG),
+    ] {
+        module.add(name, value)?;
+    }
+    Ok(())
+}

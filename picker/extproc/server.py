@@ -1,0 +1,188 @@
+"""The ext_proc server: a compiled core speaks the protocol, this side decides.
+
+The core (`native/extproc`, the `picker_extproc_core` module) runs every ext_proc stream on its
+own thread: the state machine of each body mode, the answers Envoy gets, TLS and the health
+service on the port. It asks this side once per request for the pick (`Director.route`, which
+may wait in flow control) and reports what the response teaches (status, the endpoint that
+served it, body bytes for usage and TTFT, how it ended) to the request's `RoutedRequest`.
+Events cross in batches: the core wakes the loop through a descriptor only when its queue goes
+non-empty, and `_drain` handles all that waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import picker_extproc_core as core
+
+from picker.request.errors import RequestError
+from picker.requestcontrol.director import Director, RoutedRequest
+from picker.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+# Envoy may send a whole 10 MB body in one message; gRPC's default is 4 MiB.
+MAX_RECEIVE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcSettings:
+    """Per-server knobs of the ext_proc protocol handling."""
+
+    max_body_bytes: int = 16 << 20
+    honour_subset_hint: bool = True
+    # How long a stream whose exchange is over waits for the proxy to close it before ending it.
+    close_wait_seconds: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """The port's certificate: PEM key and chain made at start, or a directory holding tls.crt
+    and tls.key (a mounted Secret), re-read at a handshake after either changed."""
+
+    key_pem: bytes | None = None
+    cert_pem: bytes | None = None
+    cert_dir: str | None = None
+
+
+def _internal_error() -> RequestError:
+    return RequestError("Internal", "internal error in the endpoint picker")
+
+
+class ExtProcServer:
+    """`envoy.service.ext_proc.v3.ExternalProcessor` on one port, routing with `director`."""
+
+    def __init__(self, director: Director, settings: ExtProcSettings = ExtProcSettings()) -> None:
+        self.director = director
+        self.settings = settings
+        self._core = core.Core(settings.max_body_bytes, settings.honour_subset_hint, settings.close_wait_seconds)
+        self._routed: dict[int, RoutedRequest] = {}  # stream id → its request, until the response ends
+        self._routing: dict[int, asyncio.Task[None]] = {}  # stream id → its pick in progress
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port = 0
+
+    def start(
+        self,
+        address: str,
+        *,
+        reuse_port: bool = False,
+        tls: Tls | None = None,
+        health_services: Sequence[str] = (),
+    ) -> int:
+        """Serve on `address` (`host:port`, port 0 picks one); the bound port. Raises OSError
+        when the address cannot be bound. `health_services`: names the standard gRPC health
+        service reports SERVING on this port (none: no health service here)."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._core.wake_fd(), self._drain)
+        metrics.STREAMS_ACTIVE.set_function(self._core.streams_active)
+        tls = tls or Tls()
+        try:
+            self.port = self._core.serve(
+                address,
+                reuse_port=reuse_port,
+                max_receive_bytes=MAX_RECEIVE_BYTES,
+                tls_key=tls.key_pem,
+                tls_cert=tls.cert_pem,
+                cert_dir=tls.cert_dir,
+                health_services=list(health_services),
+            )
+        except OSError:
+            self._loop.remove_reader(self._core.wake_fd())
+            raise
+        return self.port
+
+    def enter_graceful_shutdown(self) -> None:
+        """The port's health service reports NOT_SERVING from now on."""
+        self._core.enter_graceful_shutdown()
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop accepting streams, give open ones `grace` seconds, then end them all."""
+        await asyncio.to_thread(self._core.stop, grace or 0.0)
+        self._drain()  # what the streams reported as they ended
+        if self._loop is not None:
+            self._loop.remove_reader(self._core.wake_fd())
+        for task in self._routing.values():
+            task.cancel()
+        for routed in self._routed.values():
+            routed.finish("cancelled")
+        self._routing.clear()
+        self._routed.clear()
+
+    # -- events from the core ----------------------------------------------------------------
+
+    def _drain(self) -> None:
+        for event in self._core.drain():
+            try:
+                self._handle(event)
+            except Exception:
+                # A bug must cost one request, never the stream's peers or the process.
+                log.exception("ext_proc stream failed")
+                self._fail(event[1], _internal_error())
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == core.ROUTE:
+            _, stream, body, headers, subset = event
+            self._routing[stream] = asyncio.create_task(self._route(stream, body, headers, subset))
+        elif kind == core.RESPONSE_BODY:
+            _, stream, data, end_of_stream, served, first_byte_at = event
+            routed = self._routed.pop(stream) if end_of_stream else self._routed[stream]
+            routed.response_body(data, end_of_stream, served, first_byte_at)
+        elif kind == core.RESPONSE_HEADERS:
+            _, stream, status, served, content_type, end_of_stream = event
+            routed = self._routed.pop(stream) if end_of_stream else self._routed[stream]
+            routed.response_headers(status, served, content_type, end_of_stream)
+        elif kind == core.RESPONSE_TRAILERS:
+            self._routed.pop(event[1]).response_trailers()
+        elif kind == core.CLOSED:
+            _, stream, error = event
+            task = self._routing.pop(stream, None)
+            if task is not None:
+                task.cancel()  # the client is gone: leave the flow-control queue
+            unfinished = self._routed.pop(stream, None)
+            if unfinished is not None:
+                unfinished.finish(error)
+        elif kind == core.ROUTE_WITHOUT_BODY:
+            _, stream, subset = event
+            self._answer(stream, self.director.route_without_body(subset), None)
+        elif kind == core.FAIL:
+            _, stream, code, message = event
+            self._fail(stream, RequestError(code, message))
+        elif kind == core.LOG:
+            _, level, message = event
+            log.log(level, "%s", message)
+
+    async def _route(self, stream: int, body: bytes, headers: Mapping[str, str], subset: list[str] | None) -> None:
+        try:
+            routed = await self.director.route(body, headers, subset)
+        except RequestError as e:
+            del self._routing[stream]
+            self._fail(stream, e)
+            return
+        except Exception:
+            log.exception("ext_proc stream failed")
+            del self._routing[stream]
+            self._fail(stream, _internal_error())
+            return
+        del self._routing[stream]
+        self._answer(stream, routed, body)
+
+    def _answer(self, stream: int, routed: RoutedRequest, body: bytes | None) -> None:
+        self._routed[stream] = routed
+        runtime = routed.runtime
+        # Response-streaming hooks read each chunk as it passes; otherwise chunks come coalesced.
+        chunks = runtime is not None and bool(runtime.response_streaming)
+        replaced = None if routed.body is body or body is None else routed.body
+        self._core.route(stream, routed.destination, replaced, chunks)
+
+    def _fail(self, stream: int, error: RequestError) -> None:
+        """Answer the client with `error`; the request, if routed, ends with its code."""
+        metrics.STREAM_ERRORS.labels(error.code).inc()
+        routed = self._routed.pop(stream, None)
+        if routed is not None:
+            routed.finish(error.code)
+        self._core.reject(stream, error.status, error.body())
