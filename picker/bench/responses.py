@@ -3,10 +3,11 @@ costs the picker, per chunk and at its end, with and without `indexResponses`.
 
 A director routes a chat request (the built-in tokenizer, a 2,000-token history) and is then
 handed its answer as an SSE stream of N events, one word each, as vLLM streams it; the
-director's response path runs as the ext_proc servicer calls it (`response_body` per chunk,
-usage scanning included). Prints the CPU time (thread time) per passed-through chunk and for
-the last chunk, which runs the response-complete hooks (with `indexResponses`: the answer
-parsed, tokenized, hashed and recorded in the index).
+director's response path runs chunk by chunk (`response_body` per chunk, usage scanning
+included), as the ext_proc server reports a response when the config reads each chunk.
+Prints the CPU time (thread time) per passed-through chunk and for the last chunk, which runs
+the response-complete hooks (with `indexResponses`: the answer parsed, tokenized, hashed and
+recorded in the index).
 """
 
 from __future__ import annotations

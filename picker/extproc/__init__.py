@@ -1,6 +1,7 @@
-"""Envoy's ext_proc protocol: the servicer and one state machine per stream (`servicer`), the
-messages it sends (`messages`) and its TLS (`tls`). It speaks the protocol only: the body goes
-to the director, what passes on the response side is reported to the `RoutedRequest`.
+"""Envoy's ext_proc protocol: a compiled core (native/extproc, the `picker_extproc_core`
+module) speaks it on its own thread; `server` runs what it asks on the asyncio loop (the pick,
+by the director) and reports what passes on the response side to the `RoutedRequest`; `tls`
+makes the self-signed certificate.
 
 May import: requestcontrol, request (errors), telemetry.
 """

@@ -43,5 +43,5 @@ def test_static_endpoints_serve_without_heavy_imports(tmp_path: Path, tls: bool)
     finally:
         picker.stop()
     modules = set(json.loads(modules_file.read_text()))
-    assert {"picker.serve", "picker.extproc.servicer", "grpc"} <= modules  # the record is the server's
+    assert {"picker.serve", "picker.extproc.server", "grpc"} <= modules  # the record is the server's
     assert sorted(m for m in modules if m.split(".")[0] in HEAVY) == []

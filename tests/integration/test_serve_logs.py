@@ -143,20 +143,32 @@ def test_every_line_is_json_and_v4_logs_one_line_per_routed_request(log_dir: Pat
             assert "question" not in json.dumps(record)  # no prompt text below V(5)
 
 
-def test_a_failed_start_and_grpc_core_lines_are_json_too() -> None:
-    """gRPC's C core writes to fd 2 itself (here: the port it cannot bind); with JSON those
-    lines are wrapped as records of the `stderr` logger, and the start fails with exit code 1."""
+def _start_with_a_busy_port(flag: str) -> list[dict]:
+    """The JSON records of a start whose `flag` port is taken (it must fail with exit code 1)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        busy = taken.getsockname()[1]
+        ports = {"--grpc-port": free_port(), "--grpc-health-port": free_port(), flag: taken.getsockname()[1]}
         result = subprocess.run(
             [sys.executable, "-m", "picker.cli", "serve", "--zap-encoder=json", "--endpoints", "127.0.0.1:1",
-             "--bind-address", "127.0.0.1", "--grpc-port", str(busy), "--grpc-health-port", str(free_port()),
-             "--metrics-port", str(free_port())],
+             "--bind-address", "127.0.0.1", "--metrics-port", str(free_port()),
+             *(f"{name}={port}" for name, port in ports.items())],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert result.returncode == 1 and result.stdout == ""
-    records = [json.loads(line) for line in result.stderr.splitlines()]
-    assert any(r["logger"] == "stderr" and "Failed to add port" in str(r["msg"]) for r in records), result.stderr
+    return [json.loads(line) for line in result.stderr.splitlines()]
+
+
+def test_a_failed_start_and_grpc_core_lines_are_json_too() -> None:
+    """gRPC's C core (the health server's) writes to fd 2 itself (here: the port it cannot
+    bind); with JSON those lines are wrapped as records of the `stderr` logger, and the start
+    fails with exit code 1."""
+    records = _start_with_a_busy_port("--grpc-health-port")
+    assert any(r["logger"] == "stderr" and "Failed to add port" in str(r["msg"]) for r in records), records
     assert any(r["level"] == "error" and str(r["msg"]).startswith("cannot start: Failed to bind") for r in records)
+
+
+def test_a_busy_ext_proc_port_fails_the_start_with_a_clear_error() -> None:
+    records = _start_with_a_busy_port("--grpc-port")
+    errors = [str(r["msg"]) for r in records if r["level"] == "error"]
+    assert any(m.startswith("cannot start: 127.0.0.1:") and "Address already in use" in m for m in errors), records

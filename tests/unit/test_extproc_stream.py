@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
@@ -21,12 +22,19 @@ from hypothesis import strategies as st
 from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
-from picker.extproc.messages import BODY_CHUNK_BYTES, BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
 from picker.extproc.server import ExtProcServer, ExtProcSettings
 from picker.requestcontrol.director import Director
 from tests.sim_fixtures import eventually
 
 ENDPOINTS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
+STREAMED, BUFFERED, FULL_DUPLEX_STREAMED = (
+    ProcessingMode.STREAMED,
+    ProcessingMode.BUFFERED,
+    ProcessingMode.FULL_DUPLEX_STREAMED,
+)
+# Envoy's reference limit for one streamed body message (gie-epp.md §1.2): re-emitted bodies
+# come in chunks of at most this.
+BODY_CHUNK_BYTES = 62000
 
 
 def director() -> Director:
