@@ -130,14 +130,15 @@ class ExtProcServer:
             self._routing[stream] = asyncio.create_task(self._route(stream, body, headers, subset))
         elif kind == core.RESPONSE_BODY:
             _, stream, data, end_of_stream, served, first_byte_at = event
-            routed = self._routed.pop(stream) if end_of_stream else self._routed[stream]
-            routed.response_body(data, end_of_stream, served, first_byte_at)
+            if (routed := self._reported(stream, end_of_stream)) is not None:
+                routed.response_body(data, end_of_stream, served, first_byte_at)
         elif kind == core.RESPONSE_HEADERS:
             _, stream, status, served, content_type, end_of_stream = event
-            routed = self._routed.pop(stream) if end_of_stream else self._routed[stream]
-            routed.response_headers(status, served, content_type, end_of_stream)
+            if (routed := self._reported(stream, end_of_stream)) is not None:
+                routed.response_headers(status, served, content_type, end_of_stream)
         elif kind == core.RESPONSE_TRAILERS:
-            self._routed.pop(event[1]).response_trailers()
+            if (routed := self._reported(event[1], True)) is not None:
+                routed.response_trailers()
         elif kind == core.CLOSED:
             _, stream, error = event
             task = self._routing.pop(stream, None)
@@ -155,6 +156,11 @@ class ExtProcServer:
         elif kind == core.LOG:
             _, level, message = event
             log.log(level, "%s", message)
+
+    def _reported(self, stream: int, end: bool) -> RoutedRequest | None:
+        """The request a response event is about, forgotten at the response's end (None once a
+        failure ended it: the response still passes, nothing more is reported)."""
+        return self._routed.pop(stream, None) if end else self._routed.get(stream)
 
     async def _route(self, stream: int, body: bytes, headers: Mapping[str, str], subset: list[str] | None) -> None:
         try:

@@ -39,23 +39,47 @@ struct Core {
 
 fn event_to_py<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyAny>> {
     Ok(match event {
-        Event::Route { id, body, headers, subset } => {
+        Event::Route {
+            id,
+            body,
+            headers,
+            subset,
+        } => {
             let map = PyDict::new(py);
             for (k, v) in headers {
                 map.set_item(k, v)?;
             }
-            (ROUTE, id, PyBytes::new(py, &body), map, subset).into_pyobject(py)?.into_any()
-        }
-        Event::RouteWithoutBody { id, subset } => (ROUTE_WITHOUT_BODY, id, subset).into_pyobject(py)?.into_any(),
-        Event::Fail { id, code, message } => (FAIL, id, code, message).into_pyobject(py)?.into_any(),
-        Event::ResponseHeaders { id, status, served, content_type, end_of_stream } => {
-            (RESPONSE_HEADERS, id, status, served, content_type, end_of_stream).into_pyobject(py)?.into_any()
-        }
-        Event::ResponseBody { id, data, end_of_stream, served, first_byte_at } => {
-            (RESPONSE_BODY, id, PyBytes::new(py, &data), end_of_stream, served, first_byte_at)
+            (ROUTE, id, PyBytes::new(py, &body), map, subset)
                 .into_pyobject(py)?
                 .into_any()
         }
+        Event::RouteWithoutBody { id, subset } => (ROUTE_WITHOUT_BODY, id, subset).into_pyobject(py)?.into_any(),
+        Event::Fail { id, code, message } => (FAIL, id, code, message).into_pyobject(py)?.into_any(),
+        Event::ResponseHeaders {
+            id,
+            status,
+            served,
+            content_type,
+            end_of_stream,
+        } => (RESPONSE_HEADERS, id, status, served, content_type, end_of_stream)
+            .into_pyobject(py)?
+            .into_any(),
+        Event::ResponseBody {
+            id,
+            data,
+            end_of_stream,
+            served,
+            first_byte_at,
+        } => (
+            RESPONSE_BODY,
+            id,
+            PyBytes::new(py, &data),
+            end_of_stream,
+            served,
+            first_byte_at,
+        )
+            .into_pyobject(py)?
+            .into_any(),
         Event::ResponseTrailers { id } => (RESPONSE_TRAILERS, id).into_pyobject(py)?.into_any(),
         Event::Closed { id, error } => (CLOSED, id, error).into_pyobject(py)?.into_any(),
         Event::Log { level, message } => (LOG, level, message).into_pyobject(py)?.into_any(),
@@ -71,7 +95,11 @@ impl Core {
             .map_err(|e| PyValueError::new_err(format!("close_wait_seconds: {e}")))?;
         Ok(Self {
             bridge: Arc::new(Bridge::new().map_err(|e| PyOSError::new_err(e.to_string()))?),
-            settings: Settings { max_body_bytes, honour_subset_hint, close_wait },
+            settings: Settings {
+                max_body_bytes,
+                honour_subset_hint,
+                close_wait,
+            },
             running: Mutex::new(None),
         })
     }
@@ -101,9 +129,18 @@ impl Core {
         if running.is_some() {
             return Err(PyRuntimeError::new_err("already serving"));
         }
-        let options = ServeOptions { address, reuse_port, max_receive_bytes, tls, health_services, settings: self.settings };
+        let options = ServeOptions {
+            address,
+            reuse_port,
+            max_receive_bytes,
+            tls,
+            health_services,
+            settings: self.settings,
+        };
         let bridge = self.bridge.clone();
-        let started = py.detach(|| server::serve(options, bridge)).map_err(PyOSError::new_err)?;
+        let started = py
+            .detach(|| server::serve(options, bridge))
+            .map_err(PyOSError::new_err)?;
         let port = started.port;
         *running = Some(started);
         Ok(port)
@@ -128,7 +165,14 @@ impl Core {
     /// response chunk. False when the stream is gone.
     #[pyo3(signature = (id, destination, body, chunks))]
     fn route(&self, id: u64, destination: String, body: Option<Vec<u8>>, chunks: bool) -> bool {
-        self.bridge.answer(id, Answer::Route { destination, body, chunks })
+        self.bridge.answer(
+            id,
+            Answer::Route {
+                destination,
+                body,
+                chunks,
+            },
+        )
     }
 
     /// Answer stream `id`'s client directly (status, JSON body). False when the stream is gone.

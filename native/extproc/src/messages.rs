@@ -7,9 +7,8 @@ use envoy_types::pb::envoy::config::core::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation::Mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse,
-    HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingRequest, ProcessingResponse,
-    StreamedBodyResponse, TrailersResponse,
+    body_mutation::Mutation, processing_response::Response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
+    HeadersResponse, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
@@ -90,7 +89,12 @@ pub fn subset_hint(request: &ProcessingRequest) -> Option<Vec<String>> {
             })
             .collect(),
         // tolerate a CSV string
-        Some(Kind::StringValue(csv)) => csv.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect(),
+        Some(Kind::StringValue(csv)) => csv
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect(),
         _ => Vec::new(),
     })
 }
@@ -104,37 +108,65 @@ pub fn served_endpoint(request: &ProcessingRequest) -> Option<String> {
 }
 
 fn string_value(s: &str) -> Value {
-    Value { kind: Some(Kind::StringValue(s.to_owned())) }
+    Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    }
 }
 
 fn destination_metadata(destination: &str) -> Struct {
-    let inner = Struct { fields: HashMap::from([(DESTINATION_HEADER.to_owned(), string_value(destination))]) };
-    Struct { fields: HashMap::from([(LB_NAMESPACE.to_owned(), Value { kind: Some(Kind::StructValue(inner)) })]) }
+    let inner = Struct {
+        fields: HashMap::from([(DESTINATION_HEADER.to_owned(), string_value(destination))]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
 }
 
 fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
-        header: Some(HeaderValue { key: key.to_owned(), raw_value: value.as_bytes().to_vec(), ..Default::default() }),
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()
     }
 }
 
-fn routing_common(destination: &str, content_length: Option<usize>, remove: Vec<String>, body: Option<Vec<u8>>) -> CommonResponse {
+fn routing_common(
+    destination: &str,
+    content_length: Option<usize>,
+    remove: Vec<String>,
+    body: Option<Vec<u8>>,
+) -> CommonResponse {
     let mut set_headers = vec![set_header(DESTINATION_HEADER, destination)];
     if let Some(length) = content_length {
         set_headers.push(set_header("content-length", &length.to_string()));
     }
     CommonResponse {
-        header_mutation: Some(HeaderMutation { set_headers, remove_headers: remove }),
-        body_mutation: body.map(|b| BodyMutation { mutation: Some(Mutation::Body(b)) }),
+        header_mutation: Some(HeaderMutation {
+            set_headers,
+            remove_headers: remove,
+        }),
+        body_mutation: body.map(|b| BodyMutation {
+            mutation: Some(Mutation::Body(b)),
+        }),
         clear_route_cache: true,
         ..Default::default()
     }
 }
 
 fn with_response(response: Response) -> ProcessingResponse {
-    ProcessingResponse { response: Some(response), ..Default::default() }
+    ProcessingResponse {
+        response: Some(response),
+        ..Default::default()
+    }
 }
 
 pub fn continue_request_headers() -> ProcessingResponse {
@@ -188,7 +220,11 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
     BodyResponse {
         response: Some(CommonResponse {
             body_mutation: Some(BodyMutation {
-                mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse { body, end_of_stream, ..Default::default() })),
+                mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                    body,
+                    end_of_stream,
+                    ..Default::default()
+                })),
             }),
             ..Default::default()
         }),
@@ -198,13 +234,19 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
 /// Re-emit a request body in chunks of at most BODY_CHUNK_BYTES (duplex mode).
 pub fn streamed_request_body(body: &[u8], end_of_stream: bool, out: &mut Vec<ProcessingResponse>) {
     if body.is_empty() {
-        out.push(with_response(Response::RequestBody(streamed_body(Vec::new(), end_of_stream))));
+        out.push(with_response(Response::RequestBody(streamed_body(
+            Vec::new(),
+            end_of_stream,
+        ))));
         return;
     }
     let count = body.len().div_ceil(BODY_CHUNK_BYTES);
     for (i, chunk) in body.chunks(BODY_CHUNK_BYTES).enumerate() {
         let last = i + 1 == count;
-        out.push(with_response(Response::RequestBody(streamed_body(chunk.to_vec(), last && end_of_stream))));
+        out.push(with_response(Response::RequestBody(streamed_body(
+            chunk.to_vec(),
+            last && end_of_stream,
+        ))));
     }
 }
 
@@ -216,8 +258,13 @@ pub fn streamed_response_body(chunk: Vec<u8>, end_of_stream: bool) -> Processing
 /// Answer the client directly (errors), with a JSON body.
 pub fn immediate(status: u16, body: Vec<u8>) -> ProcessingResponse {
     with_response(Response::ImmediateResponse(ImmediateResponse {
-        status: Some(HttpStatus { code: i32::from(status) }),
-        headers: Some(HeaderMutation { set_headers: vec![set_header("content-type", "application/json")], remove_headers: vec![] }),
+        status: Some(HttpStatus {
+            code: i32::from(status),
+        }),
+        headers: Some(HeaderMutation {
+            set_headers: vec![set_header("content-type", "application/json")],
+            remove_headers: vec![],
+        }),
         body,
         ..Default::default()
     }))

@@ -24,6 +24,8 @@ use crate::bridge::{Bridge, Event};
 use crate::stream::{Service, Settings};
 
 const WARNING: u8 = 30;
+/// A client that has not finished its TLS handshake by then is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const INFO: u8 = 20;
 
 /// Where the TLS certificate comes from.
@@ -77,12 +79,22 @@ impl CertificateDirectory {
         let (crt, key) = (path.join("tls.crt"), path.join("tls.key"));
         let stamp = Self::stamp(&crt, &key).map_err(|e| format!("{}: {e}", path.display()))?;
         let loaded = Self::load(&crt, &key)?;
-        Ok(Self { crt, key, current: Mutex::new((stamp, loaded)), bridge })
+        Ok(Self {
+            crt,
+            key,
+            current: Mutex::new((stamp, loaded)),
+            bridge,
+        })
     }
 
     fn stamp(crt: &PathBuf, key: &PathBuf) -> std::io::Result<Stamp> {
         let (c, k) = (std::fs::metadata(crt)?, std::fs::metadata(key)?);
-        Ok((c.mtime_nsec() + c.mtime() * 1_000_000_000, k.mtime_nsec() + k.mtime() * 1_000_000_000, c.ino(), k.ino()))
+        Ok((
+            c.mtime_nsec() + c.mtime() * 1_000_000_000,
+            k.mtime_nsec() + k.mtime() * 1_000_000_000,
+            c.ino(),
+            k.ino(),
+        ))
     }
 
     fn load(crt: &PathBuf, key: &PathBuf) -> Result<Arc<CertifiedKey>, String> {
@@ -105,7 +117,13 @@ impl CertificateDirectory {
         match Self::load(&self.crt, &self.key) {
             Ok(loaded) => {
                 *current = (stamp, loaded);
-                self.log(INFO, format!("reloaded the TLS certificate from {}", self.crt.parent().unwrap().display()));
+                self.log(
+                    INFO,
+                    format!(
+                        "reloaded the TLS certificate from {}",
+                        self.crt.parent().unwrap().display()
+                    ),
+                );
             }
             Err(e) => self.log(WARNING, format!("keeping the current certificate: {e}")),
         }
@@ -204,7 +222,10 @@ pub fn serve(options: ServeOptions, bridge: Arc<Bridge>) -> Result<Running, Stri
     let listener = bind(&options.address, options.reuse_port).map_err(|e| format!("{}: {e}", options.address))?;
     let port = listener.local_addr().map_err(|e| e.to_string())?.port();
     let acceptor = options.tls.map(|tls| tls_acceptor(tls, &bridge)).transpose()?;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
     let handle = runtime.handle().clone();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let with_health = !options.health_services.is_empty();
@@ -217,8 +238,11 @@ pub fn serve(options: ServeOptions, bridge: Arc<Bridge>) -> Result<Running, Stri
             }
         });
     }
-    let processor = ExternalProcessorServer::new(Service { bridge, settings: options.settings })
-        .max_decoding_message_size(options.max_receive_bytes);
+    let processor = ExternalProcessorServer::new(Service {
+        bridge,
+        settings: options.settings,
+    })
+    .max_decoding_message_size(options.max_receive_bytes);
     let (stop_tx, stop_rx) = oneshot::channel::<Duration>();
     let thread = std::thread::Builder::new()
         .name("picker-extproc".into())
@@ -254,7 +278,7 @@ pub fn serve(options: ServeOptions, bridge: Arc<Bridge>) -> Result<Running, Stri
         port,
         thread: Some(thread),
         stop: Some(stop_tx),
-        health: with_health.then(|| (health_reporter, options.health_services)),
+        health: with_health.then_some((health_reporter, options.health_services)),
         handle,
     })
 }
@@ -358,7 +382,7 @@ fn accept(listener: TcpListener, acceptor: Option<TlsAcceptor>) -> ReceiverStrea
                 Some(acceptor) => {
                     let acceptor = acceptor.clone();
                     tokio::spawn(async move {
-                        if let Ok(tls) = acceptor.accept(stream).await {
+                        if let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                             let _ = tx.send(Ok(Connection::Tls(Box::new(tls)))).await;
                         }
                     });

@@ -108,7 +108,11 @@ impl StreamState {
     /// The pick, or the stop it became.
     async fn route(&mut self, event: Event) -> Result<(String, Option<Vec<u8>>), Stop> {
         match self.ask(event).await? {
-            Answer::Route { destination, body, chunks } => {
+            Answer::Route {
+                destination,
+                body,
+                chunks,
+            } => {
                 self.routed = true;
                 self.report_chunks = chunks;
                 Ok((destination, body))
@@ -128,7 +132,11 @@ impl StreamState {
             return Err(self.fail(violation("request headers arrived twice")).await);
         }
         if let Some(config) = &req.protocol_config {
-            self.request_mode = if config.request_body_mode == 0 { BUFFERED } else { config.request_body_mode };
+            self.request_mode = if config.request_body_mode == 0 {
+                BUFFERED
+            } else {
+                config.request_body_mode
+            };
             self.response_mode = config.response_body_mode;
             self.send_body_early = config.send_body_without_waiting_for_header_response;
         }
@@ -143,7 +151,13 @@ impl StreamState {
             let id = self.id;
             let subset = self.subset.clone();
             let (destination, _) = self.route(Event::RouteWithoutBody { id, subset }).await?;
-            return self.send(m::route_in_headers(&destination, None, m::removed_headers(&self.headers))).await;
+            return self
+                .send(m::route_in_headers(
+                    &destination,
+                    None,
+                    m::removed_headers(&self.headers),
+                ))
+                .await;
         }
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
             return self.send(m::continue_request_headers()).await;
@@ -163,7 +177,10 @@ impl StreamState {
         self.chunks += 1;
         if self.body.len() + body.body.len() > self.settings.max_body_bytes {
             let limit = self.settings.max_body_bytes;
-            let error = ("PayloadTooLarge", format!("request body exceeds the limit of {limit} bytes"));
+            let error = (
+                "PayloadTooLarge",
+                format!("request body exceeds the limit of {limit} bytes"),
+            );
             return Err(self.fail(error).await);
         }
         if self.body.is_empty() {
@@ -192,14 +209,20 @@ impl StreamState {
     async fn route_body(&mut self, trailers_follow: bool) -> Step {
         // Python gets a copy: a duplex stream re-emits this one unless the director replaced it.
         let body = self.body.clone();
-        let event = Event::Route { id: self.id, body, headers: self.headers.clone(), subset: self.subset.clone() };
+        let event = Event::Route {
+            id: self.id,
+            body,
+            headers: self.headers.clone(),
+            subset: self.subset.clone(),
+        };
         let (destination, new_body) = self.route(event).await?;
         let removed = m::removed_headers(&self.headers);
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
             return self.send(m::route_in_body(&destination, removed, new_body)).await;
         }
         let out_body = new_body.unwrap_or_else(|| std::mem::take(&mut self.body));
-        self.send(m::route_in_headers(&destination, Some(out_body.len()), removed)).await?;
+        self.send(m::route_in_headers(&destination, Some(out_body.len()), removed))
+            .await?;
         if self.request_mode == FULL_DUPLEX_STREAMED {
             let mut responses = Vec::new();
             m::streamed_request_body(&out_body, !trailers_follow, &mut responses);
@@ -221,12 +244,20 @@ impl StreamState {
         self.response_ended = headers.end_of_stream;
         if self.routed {
             let map = m::header_map(headers.headers.as_ref());
-            let status = m::header(&map, ":status").and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
+            let status = m::header(&map, ":status")
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(0);
             let served = m::served_endpoint(req).or_else(|| m::header(&map, m::SERVED_KEY).map(String::from));
             let content_type = m::header(&map, "content-type").unwrap_or("").to_owned();
             let end_of_stream = headers.end_of_stream;
             self.reported_end |= end_of_stream;
-            self.bridge.push(Event::ResponseHeaders { id: self.id, status, served, content_type, end_of_stream });
+            self.bridge.push(Event::ResponseHeaders {
+                id: self.id,
+                status,
+                served,
+                content_type,
+                end_of_stream,
+            });
         }
         self.send(m::continue_response_headers()).await
     }
