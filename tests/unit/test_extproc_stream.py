@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -23,7 +24,7 @@ from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.extproc.server import ExtProcServer, ExtProcSettings
-from picker.requestcontrol.director import Director
+from picker.requestcontrol.director import Director, RoutedRequest
 from tests.sim_fixtures import eventually
 
 ENDPOINTS = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
@@ -149,6 +150,54 @@ async def test_buffered_mode_answers_headers_then_routes_in_the_body_response() 
     assert routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
 
 
+def response_headers(content_type: str) -> pb.ProcessingRequest:
+    pairs = {":status": "200", "content-type": content_type}
+    headers = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers)))
+
+
+async def test_a_streamed_answer_passes_chunk_by_chunk_and_reports_usage_and_first_byte() -> None:
+    d = director()
+    finished: list[tuple[RoutedRequest, str | None]] = []
+    release = d.complete
+
+    def complete(routed: RoutedRequest, error: str | None) -> None:
+        finished.append((routed, error))
+        release(routed, error)
+
+    d.complete = complete
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    events = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[{"text":"b"}]',  # an event split across chunks
+        b"}\n\n",
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    async with serving(d) as stub:
+        call, _ = await exchange(stub, [headers(), body(json.dumps({"model": "m", "prompt": "x"}).encode(), True)], 2)
+        await call.write(response_headers("text/event-stream"))
+        await call.read()
+        first_sent = time.monotonic()
+        for i, event in enumerate(events):
+            end = i == len(events) - 1
+            last_sent = time.monotonic()
+            await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=event, end_of_stream=end)))
+            passed = (await call.read()).response_body.response.body_mutation.streamed_response
+            assert (passed.body, passed.end_of_stream) == (event, end)
+
+        async def reported() -> bool:
+            return bool(finished)
+
+        await eventually(reported, deadline_s=5)
+    ((routed, error),) = finished
+    assert error is None and routed.status == 200
+    assert routed.usage is not None and (routed.usage.prompt_tokens, routed.usage.completion_tokens) == (3, 2)
+    assert routed.response_bytes == sum(map(len, events))
+    # The chunks reach Python together at the end; TTFT still runs from when the core saw the first.
+    assert routed.first_byte_at is not None and first_sent <= routed.first_byte_at < last_sent
+
+
 KINDS = st.sampled_from(["rh", "rh_eos", "rb", "rb_eos", "rt", "sh", "sb", "sb_eos", "st", "junk"])
 
 
@@ -177,7 +226,7 @@ async def play_script(
 ) -> None:
     """Play each script on its own stream of one server; every answer is read until the RPC
     ends (the stand-in ends its side with `end`)."""
-    async with serving(d, ExtProcSettings(max_body_bytes=256, close_wait_seconds=0.2)) as stub:
+    async with serving(d, ExtProcSettings(max_body_bytes=256, close_wait_seconds=0.02)) as stub:
         for mode, script in scripts:
             call = stub.Process()
             for kind, data in script:
