@@ -244,7 +244,9 @@ impl StreamState {
         self.response_ended = headers.end_of_stream;
         if self.routed {
             let map = m::header_map(headers.headers.as_ref());
+            // digits only (no sign), else 0
             let status = m::header(&map, ":status")
+                .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|s| s.parse::<u32>().ok())
                 .unwrap_or(0);
             let served = m::served_endpoint(req).or_else(|| m::header(&map, m::SERVED_KEY).map(String::from));
