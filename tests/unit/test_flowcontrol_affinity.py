@@ -10,6 +10,7 @@ import pytest
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import build, parse_text
+from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
@@ -213,3 +214,18 @@ def test_the_producer_names_the_prefix_holder_and_the_prompt_is_hashed_once() ->
     producer.prepare(second, store.snapshot(), queued)  # the scheduling after dispatch reuses the blocks
     assert calls == [] and queued.read(PREFIX_MATCH_KEY) is not None
     assert queued.read(PROMPT_BLOCKS_KEY) is hashed
+
+
+def test_the_runtime_names_its_affinity_source_once_when_built() -> None:
+    holder = RuntimeHolder()
+    source = holder.current.affinity_source  # the default config scores prefixes
+    assert isinstance(source, ApproxPrefixCacheProducer)
+    assert [s.plugin for s in holder.current.producers] == [source]
+    text = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: queue-scorer}, {type: max-score-picker}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
+"""
+    assert holder.build(parse_text(text)).affinity_source is None  # nothing knows where prefixes are
