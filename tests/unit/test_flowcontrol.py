@@ -233,3 +233,19 @@ async def test_a_reload_reorders_queued_requests_under_the_new_policies() -> Non
     band.apply(BandSettings(0, 0, ROUND_ROBIN, SloDeadlineOrderingPolicy("slo")))
     assert band.pop_next() is second  # the tighter SLO now goes first; nothing was lost
     assert band.pop_next() is first and band.count == 0
+
+
+async def test_a_reload_reorders_parked_requests_too_and_a_parked_request_can_leave() -> None:
+    band = PriorityBand(0, BandSettings(0, 0, STRICT, FCFS))
+    first = item(1.0, headers={"x-slo-ttft-ms": "9000"})
+    second = item(2.0, headers={"x-slo-ttft-ms": "10"})
+    gone = item(3.0)
+    for seq, queued in enumerate((first, second, gone)):
+        band.add(queued, seq)
+    assert band.pop_next(lambda _: False) is None and band.parked == 3  # all wait for a full holder
+    gone.state = Outcome.EVICTED_CANCELLED
+    band.discard(gone)
+    assert band.parked == 2 and band.count == 2
+    band.apply(BandSettings(0, 0, ROUND_ROBIN, SloDeadlineOrderingPolicy("slo")))
+    assert band.pop_next() is second and band.pop_next() is first
+    assert band.count == 0 and band.flows == {}
