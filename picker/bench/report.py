@@ -145,10 +145,17 @@ def tenant_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
 
 
 def terminal_table(report: BenchReport) -> str:
-    """A plain aligned table for the terminal, and the per-tenant one when there are tenants."""
+    """A plain aligned table for the terminal; with tenants, the per-tenant one and the rates while
+    requests arrive."""
     text = _aligned(*table_rows(report))
     header, rows = tenant_rows(report)
-    return text + ("\n\n" + _aligned(header, rows) if rows else "")
+    if not rows:
+        return text
+    return f"{text}\n\n{_aligned(header, rows)}\nout tok/s while requests arrive: {_arrival_window_rates(report)}"
+
+
+def _arrival_window_rates(report: BenchReport) -> str:
+    return ", ".join(f"{name} {r.arrival_window_tokens_per_s:.0f}" for name, r in report.systems.items())
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> str:
@@ -248,6 +255,11 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
                 "429: rejected (flow-control queue full, or shed); 503: expired in the flow-control queue (TTL) "
                 "or no endpoint."
             ),
+            "",
+            "Output tok/s while requests arrive (answered by the last arrival, per second from the first "
+            "arrival to the last; the same window for every system, whichever run ends first): "
+            + _arrival_window_rates(report)
+            + ".",
             "",
         ]
     out += [

@@ -75,6 +75,12 @@ class SystemResult:
     ttfts_s: tuple[float, ...] = ()  # every successful request's TTFT, for the CDF plot
     attribution: Attribution | None = None  # where the prompt tokens' cache hits went
     tenants: tuple[TenantResult, ...] = ()  # per tenant and objective, for workloads that name them
+    # Output tokens of the requests answered by the last arrival, per second from the first
+    # arrival to the last: the rate while load arrives. `output_tokens_per_s` divides by the
+    # whole run, which ends when the last answer comes, so a system that sheds its backlog (a
+    # flow-control TTL) ends sooner than one that serves it until the drain timeout, and its
+    # quieter start weighs more; this rate compares them over the same window.
+    arrival_window_tokens_per_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""
@@ -97,6 +103,8 @@ def summarize(
     start = min((r.due_s for r in results), default=0.0)
     end = max((r.due_s + r.e2e_s for r in ok if r.e2e_s is not None), default=start)
     wall = end - start
+    last_arrival = max((r.due_s for r in results), default=0.0)
+    arrived = sum(r.output_tokens for r in ok if r.e2e_s is not None and r.due_s + r.e2e_s <= last_arrival)
     pods: dict[str, dict[str, int]] = {}
     for r in ok:
         if r.pod is not None:
@@ -127,6 +135,7 @@ def summarize(
         error_kinds=dict(kinds),
         ttfts_s=tuple(sorted(ttfts)),
         tenants=per_tenant(results, wall),
+        arrival_window_tokens_per_s=arrived / (last_arrival - start) if last_arrival > start else 0.0,
     )
 
 
