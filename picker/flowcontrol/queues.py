@@ -136,7 +136,7 @@ class FlowQueue:
             heapq.heappop(heap)
             self._dead -= 1
 
-    def _head(self) -> Entry:
+    def head(self) -> Entry:
         """The first request by the ordering policy (the flow is not empty)."""
         self._drop_dead_head()
         heap, parked = self._heap, self._parked
@@ -146,7 +146,7 @@ class FlowQueue:
 
     def head_key(self) -> tuple[float, ...]:
         """The ordering key of the next request (the flow is not empty)."""
-        return self._head().key
+        return self.head().key
 
     def ready(self, may_go: MayGo) -> Entry | None:
         """The first request by the ordering policy that may go now, left in place; requests
@@ -170,7 +170,7 @@ class FlowQueue:
                 return None
 
     def take(self, entry: Entry) -> QueuedRequest:
-        """Remove `entry`, found by `ready` or `_head` with nothing changed since."""
+        """Remove `entry`, found by `ready` or `head` with nothing changed since."""
         if entry.item.parked:
             self._parked.remove(entry)
             entry.item.parked = False
@@ -181,7 +181,7 @@ class FlowQueue:
 
     def pop(self) -> QueuedRequest:
         """Take the next request (the flow is not empty)."""
-        return self.take(self._head())
+        return self.take(self.head())
 
     def discard(self, item: QueuedRequest) -> None:
         """`item` (already finalized) left early: uncount it now; a parked entry goes at once,
@@ -261,21 +261,23 @@ class PriorityBand:
 
     def pop_next(self, may_go: MayGo = _always) -> QueuedRequest | None:
         """The next request that may go now: the fairness policy's pick among the flows that
-        have one, then the first of that flow's order that may go; None if there is none.
+        have one (by their first such request), then that request; None if there is none.
 
-        The policy picks among all flows first (one pick, the usual case); only when that flow
-        has nothing that may go are the others searched, and the policy picks again among those
-        that have something (so a flow that waits passes its turn to the next)."""
+        The policy picks among all flows first: when that flow's head may go, that is the pick
+        (the usual case; no flow's first request that may go orders before its head, so neither
+        policy here would pick otherwise). Otherwise each flow's first request that may go is found and the
+        policy, its state as before, picks again among those flows by those requests."""
         fairness, flows = self.settings.fairness, self.flows
         before = copy.copy(self.fairness_state)
         fairness_id = fairness.pick(flows, self.fairness_state)
         if fairness_id is None:
             return None
+        head = flows[fairness_id].head()
         entry = flows[fairness_id].ready(may_go)
-        if entry is None:
-            found = {f: e for f, flow in flows.items() if f != fairness_id and (e := flow.ready(may_go)) is not None}
-            if not found:  # nobody's turn was used: the policy's state is as before
-                self.fairness_state = before
+        if entry is not head:
+            self.fairness_state = before
+            found = {f: e for f, flow in flows.items() if (e := flow.ready(may_go)) is not None}
+            if not found:
                 return None
             fairness_id = fairness.pick({f: _Ready(f, e.key) for f, e in found.items()}, self.fairness_state)
             assert fairness_id is not None
