@@ -150,7 +150,8 @@ class FlowQueue:
 
     def ready(self, may_go: MayGo) -> Entry | None:
         """The first request by the ordering policy that may go now, left in place; requests
-        met before it that may not are parked (each is examined once before it is parked)."""
+        met before it that may not are parked (a request leaves the heap once: later cycles ask
+        only the parked ones again)."""
         heap, parked = self._heap, self._parked
         i = 0
         while True:
@@ -170,7 +171,7 @@ class FlowQueue:
                 return None
 
     def take(self, entry: Entry) -> QueuedRequest:
-        """Remove `entry`, found by `ready` or `head` with nothing changed since."""
+        """Remove `entry`, found by `ready` with nothing changed since."""
         if entry.item.parked:
             self._parked.remove(entry)
             entry.item.parked = False
@@ -178,10 +179,6 @@ class FlowQueue:
             heapq.heappop(self._heap)  # `entry` is the heap's live head
         self.count -= 1
         return entry.item
-
-    def pop(self) -> QueuedRequest:
-        """Take the next request (the flow is not empty)."""
-        return self.take(self.head())
 
     def discard(self, item: QueuedRequest) -> None:
         """`item` (already finalized) left early: uncount it now; a parked entry goes at once,
