@@ -151,11 +151,15 @@ def terminal_table(report: BenchReport) -> str:
     header, rows = tenant_rows(report)
     if not rows:
         return text
-    return f"{text}\n\n{_aligned(header, rows)}\nout tok/s while requests arrive: {_arrival_window_rates(report)}"
+    window = _arrival_window(report)
+    return f"{text}\n\n{_aligned(header, rows)}\nwhile requests arrive, out tok/s (pods decoding): {window}"
 
 
-def _arrival_window_rates(report: BenchReport) -> str:
-    return ", ".join(f"{name} {r.arrival_window_tokens_per_s:.0f}" for name, r in report.systems.items())
+def _arrival_window(report: BenchReport) -> str:
+    return ", ".join(
+        f"{name} {r.arrival_window_tokens_per_s:.0f} ({r.arrival_window_pods_decoding:.2f})"
+        for name, r in report.systems.items()
+    )
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> str:
@@ -256,10 +260,10 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
                 "or no endpoint."
             ),
             "",
-            "Output tok/s while requests arrive (answered by the last arrival, per second from the first "
-            "arrival to the last; the same window for every system, whichever run ends first): "
-            + _arrival_window_rates(report)
-            + ".",
+            "While requests arrive (from the first arrival to the last: the same window for every system, "
+            "whichever run ends first), the output tok/s of the requests answered by then and, in brackets, "
+            "the requests decoding per pod on average (first token to last; under overload below the pods' "
+            "batch when they ran short of work): " + _arrival_window(report) + ".",
             "",
         ]
     out += [

@@ -81,6 +81,8 @@ class SystemResult:
     # flow-control TTL) ends sooner than one that serves it until the drain timeout, and its
     # quieter start weighs more; this rate compares them over the same window.
     arrival_window_tokens_per_s: float = 0.0
+    # Over the same window, the requests decoding per pod on average (`pods_decoding`).
+    arrival_window_pods_decoding: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""
@@ -136,7 +138,22 @@ def summarize(
         ttfts_s=tuple(sorted(ttfts)),
         tenants=per_tenant(results, wall),
         arrival_window_tokens_per_s=arrived / (last_arrival - start) if last_arrival > start else 0.0,
+        arrival_window_pods_decoding=pods_decoding(results, num_pods, start, last_arrival),
     )
+
+
+def pods_decoding(results: Sequence[RequestResult], num_pods: int, start: float, end: float) -> float:
+    """Requests decoding per pod, on average over [start, end]: a served request counts from its
+    first token to its last as the client saw them. Under overload it is a pod's batch when the
+    pods are kept busy; below it, they ran short of work (e.g. a flow-control detector that
+    holds requests until a pod has a free seat, so the seat idles until the next one arrives)."""
+    if num_pods <= 0 or end <= start:
+        return 0.0
+    busy = 0.0
+    for r in results:
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None:
+            busy += max(0.0, min(end, r.due_s + r.e2e_s) - max(start, r.due_s + r.ttft_s))
+    return busy / num_pods / (end - start)
 
 
 def per_tenant(results: Sequence[RequestResult], wall_s: float) -> tuple[TenantResult, ...]:
