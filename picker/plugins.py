@@ -21,6 +21,7 @@ from picker.prefix.plugins import (
     TtftCostScorer,
 )
 from picker.prefix.session import SessionAffinityScorer
+from picker.request.attribute_reporter import RequestAttributeReporter
 from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
 from picker.scheduling.concurrency import ConcurrencyDetector
@@ -70,6 +71,8 @@ REGISTRY = Registry(
         # request: parsing
         Registration(OpenAIParser.plugin_type, OpenAIParser.create),
         Registration(PassthroughParser.plugin_type, PassthroughParser.create),
+        # request: what the response's usage reports back to the proxy
+        Registration(RequestAttributeReporter.plugin_type, RequestAttributeReporter.create),
         # flowcontrol: fairness, ordering and usage-limit policies
         *(Registration(t, create) for t, create in POLICY_FACTORIES),
     ]
@@ -84,7 +87,6 @@ _LATENCY_PREDICTOR = (
 # config naming one fails with this reason rather than as an unknown type.
 UNSUPPORTED_REFERENCE_TYPES = {
     "vllmgrpc-parser": "the picker routes OpenAI-style HTTP requests; vLLM's gRPC API is not supported",
-    "request-attribute-reporter": "CEL expressions over response usage are not supported",
     "predicted-latency-scorer": _LATENCY_PREDICTOR,
     "predicted-latency-producer": _LATENCY_PREDICTOR,
     "latency-slo-admitter": _LATENCY_PREDICTOR,

@@ -43,6 +43,7 @@ from picker.framework.plugin import (
     PreRequest,
     ProfileHandler,
     ResponseComplete,
+    ResponseMetadata,
     ResponseReceived,
     ResponseStreaming,
     SaturationDetector,
@@ -94,7 +95,7 @@ class Runtime:
       settings, None while the feature gate is off;
     - the hooks by extension point, in the order the director runs them: `producers` (in
       dependency order; `async_producers` those with async work), `pre_request`,
-      `response_received`, `response_streaming`, `response_complete`;
+      `response_received`, `response_streaming`, `response_metadata`, `response_complete`;
     - `background`: plugins with work of their own, started when installed;
     - `data_sources`: what the data layer scrapes (None with `enableLegacyMetrics` and no
       `dataLayer` section; empty when `dataLayer.sources: []` turns collection off);
@@ -150,6 +151,8 @@ class Runtime:
         self.response_streaming = _steps(
             [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses], "ResponseStreaming"
         )
+        # The reference times its ResponseBody plugins (this hook) as ResponseStreaming.
+        self.response_metadata = _steps([p for p in everything if isinstance(p, ResponseMetadata)], "ResponseStreaming")
         self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
         self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))
 

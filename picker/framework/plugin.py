@@ -16,7 +16,8 @@ Order of calls for one request (`picker.requestcontrol.director.Director` runs t
    then its Scorers (total = sum of clamp(score, 0, 1) * weight, not normalised), then its Picker.
 5. `PreRequest.pre_request` after the pick.
 6. `ResponseReceived` on the response headers, `ResponseStreaming` on each response chunk,
-   `ResponseComplete` once when the response has ended.
+   `ResponseMetadata` with the usage the response reported (its dynamic metadata goes back to
+   the proxy), `ResponseComplete` once when the response has ended.
 
 Scorers return one score per candidate, aligned with the candidate sequence they were given
 (a list is cheaper than a dict keyed by address, and the candidates are already ordered).
@@ -31,7 +32,10 @@ from typing import Any, ClassVar
 
 from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState, StateKey
-from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
+
+# Dynamic metadata for the proxy: namespace → key → number (Envoy's filter metadata).
+DynamicMetadata = Mapping[str, Mapping[str, float]]
 
 
 class Plugin(ABC):
@@ -220,6 +224,21 @@ class ResponseStreaming(Plugin):
     def response_streaming(
         self, request: InferenceRequest, result: SchedulingResult, chunk: bytes, end_of_stream: bool
     ) -> None: ...
+
+
+class ResponseMetadata(Plugin):
+    """Reports values to the proxy as dynamic metadata, computed from what the response
+    reported (the reference's ResponseBody hook writing `Response.DynamicMetadata`).
+
+    Called with the usage read so far (zeros before any) on every response-body message of an
+    event-stream response, and once when any other response has ended; what it returns is set
+    on the picker's answer to that message. It must depend on `usage` alone: the director
+    calls it again only when the usage changes and reuses the last answer otherwise.
+    """
+
+    @abstractmethod
+    def response_metadata(self, request: InferenceRequest, usage: Usage) -> DynamicMetadata:
+        """Namespace → key → number to set; empty when there is nothing to report."""
 
 
 class BackgroundWork(Plugin):

@@ -290,7 +290,25 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         feature_gates=["enableLegacyMetrics"],
     ),
     "integration-datalayer.yaml": Rejected('plugins[5].type: unknown plugin type "mock-metrics-source"'),
-    "integration-request-attribute-reporter.yaml": unsupported("plugins[1]", "request-attribute-reporter"),
+    "integration-request-attribute-reporter.yaml": Accepted(
+        named("openai-parser", ("total-tokens-cost-reporter", "request-attribute-reporter"), *SYSTEM[:2], SYSTEM[3]),
+        # Plugins that take no part in scheduling may be named in a profile: the reference keeps them.
+        [("openai-parser", None), ("total-tokens-cost-reporter", None), MAX_SCORE],
+        data_layer=None,
+        feature_gates=["enableLegacyMetrics"],
+        parameters={
+            "total-tokens-cost-reporter": {
+                "attributes": [
+                    {
+                        "key": {"namespace": "envoy.lb", "name": "x-gateway-inference-request-cost"},
+                        "expression": "usage.completion_tokens\n",
+                        "condition": "has(usage.completion_tokens)",
+                    }
+                ]
+            }
+        },
+        notes=['"total-tokens-cost-reporter" is not a filter, scorer or picker'],
+    ),
     "integration-passthrough-parser.yaml": Accepted(
         named("queue-scorer", "kv-cache-utilization-scorer", "passthrough-parser", *SYSTEM[:2], "utilization-detector"),
         [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0), MAX_SCORE],
