@@ -11,7 +11,8 @@ Order of calls for one request (`picker.requestcontrol.director.Director` runs t
    `DataProducer.prepare_async` runs first and an `AffinitySource` names the prompt's prefix
    holders, so the request can wait for one of them when dispatched (late binding).
 3. `DataProducer.prepare_async` (slow work off the event loop), then `DataProducer.prepare` for
-   every producer in dependency order, writing per-request data into the `CycleState`.
+   every producer in dependency order, writing per-request data into the `CycleState`; then
+   every `Admitter` may deny the request on that data.
 4. The scheduler: the `ProfileHandler` chooses profiles; each profile runs its Filters in order,
    then its Scorers (total = sum of clamp(score, 0, 1) * weight, not normalised), then its Picker.
 5. `PreRequest.pre_request` after the pick.
@@ -185,6 +186,23 @@ class DataProducer(Plugin):
     def prepare(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
     ) -> None: ...
+
+
+class Admitter(Plugin):
+    """Admits or denies a request once its data is prepared, before scheduling (the
+    reference's AdmissionPlugin). A denial fails the request as the reference does: 500,
+    "request cannot be admitted"."""
+
+    @abstractmethod
+    def admit(
+        self,
+        request: InferenceRequest,
+        priority: int,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState,
+    ) -> str | None:
+        """None to admit; else why the request is denied (logged). `priority` is the request's
+        InferenceObjective priority."""
 
 
 class PreRequest(Plugin):

@@ -2,7 +2,7 @@
 
     parse (the config's Parser) → flow control (the gate on: wait for room) or admission
     (saturation) → prepare data (async producers, then every producer in dependency order)
-    → schedule (the profiles) → pre-request → response received → response streaming (each
+    → admitters → schedule (the profiles) → pre-request → response received → response streaming (each
     chunk) and response metadata (what goes back to the proxy) → response complete
 
 The director creates the request's `CycleState` and hands it to every hook; it counts the
@@ -477,6 +477,13 @@ class Director:
             cycle_state = CycleState()
             await self._prepare_async(runtime, request, candidates, cycle_state)
         prepare(runtime, request, candidates, cycle_state, timed)
+        priority = runtime.priority(request)
+        if runtime.admitters:
+            denials = _run_hooks(runtime.admitters, "admit", timed, request, priority, candidates, cycle_state)
+            denial = next((reason for reason in denials if reason is not None), None)
+            if denial is not None:
+                log.debug("request %s not admitted: %s", request.request_id, denial)
+                raise RequestError("Internal", "request cannot be admitted")
         result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
         _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
         targets = [t.address for t in result.targets]
@@ -485,7 +492,6 @@ class Director:
         tokens = request.estimated_prompt_tokens()
         self._count(targets[0], tokens)
         series = self._model_series(request)
-        priority = runtime.priority(request)
         metrics.REQUEST_TOTAL.labels(*series.labels, str(priority)).inc()
         series.sizes.observe(request.size_bytes)
         series.running.inc()
