@@ -31,6 +31,7 @@ from picker.prefix.session import SessionAffinityScorer
 from picker.request.attribute_reporter import RequestAttributeReporter
 from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
+from picker.request.vllm_grpc import VllmGrpcParser
 from picker.scheduling.concurrency import ConcurrencyDetector
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
@@ -84,6 +85,7 @@ REGISTRY = Registry(
         # request: parsing
         Registration(OpenAIParser.plugin_type, OpenAIParser.create),
         Registration(PassthroughParser.plugin_type, PassthroughParser.create),
+        Registration(VllmGrpcParser.plugin_type, VllmGrpcParser.create),
         # request: what the response's usage reports back to the proxy
         Registration(RequestAttributeReporter.plugin_type, RequestAttributeReporter.create),
         # flowcontrol: fairness, ordering and usage-limit policies
@@ -95,7 +97,6 @@ REGISTRY = Registry(
 # Plugin types the reference EPP v1.5.0 registers that the picker does not have, and why: a
 # config naming one fails with this reason rather than as an unknown type.
 UNSUPPORTED_REFERENCE_TYPES = {
-    "vllmgrpc-parser": "the picker routes OpenAI-style HTTP requests; vLLM's gRPC API is not supported",
     "predicted-latency-scorer": (
         "the reference's all-in-one latency-predictor scorer, which asks the prediction sidecars itself; the "
         "picker has the split form the reference's chart configures: predicted-latency-producer with "

@@ -68,7 +68,17 @@ class Filter(Plugin):
 
 
 class Parser(Plugin):
-    """Turns a request body into an `InferenceRequest` (the reference's request parser)."""
+    """Turns a request body into an `InferenceRequest` (the reference's request parser).
+
+    A parser whose responses are not OpenAI-style JSON sets `reads_response_usage` and reads
+    the usage of a whole (not event-stream) response body with `response_usage`.
+    """
+
+    reads_response_usage: ClassVar[bool] = False
+
+    def response_usage(self, body: bytes) -> Usage | None:
+        """The usage a whole response body reports (only asked when `reads_response_usage`)."""
+        return None
 
     @abstractmethod
     def parse(

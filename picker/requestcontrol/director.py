@@ -237,7 +237,7 @@ class RoutedRequest:
             else:
                 self._response_buffer.append(chunk)
                 if end_of_stream:
-                    self.usage = parse_usage(b"".join(self._response_buffer))
+                    self.usage = self._whole_body_usage()
         runtime, result, request = self.runtime, self.result, self.request
         if runtime is not None and result is not None and request is not None and runtime.response_streaming:
             _run_hooks(
@@ -256,9 +256,20 @@ class RoutedRequest:
         """The response ended with trailers; returns the dynamic metadata to set on the answer."""
         if self._sse is not None:
             self.usage = self._sse.usage
+        elif self._response_buffer is not None and not self.done:  # e.g. gRPC: trailers end the body
+            self.usage = self._whole_body_usage()
         metadata = None if self.done else self._response_metadata(self.usage)
         self.finish()
         return metadata
+
+    def _whole_body_usage(self) -> Usage | None:
+        """The usage of the buffered response body: OpenAI-style JSON, unless the config's
+        parser reads its own responses (e.g. gRPC messages)."""
+        body = b"".join(self._response_buffer or ())
+        parser = self.runtime.parser if self.runtime is not None else None
+        if parser is not None and parser.reads_response_usage:
+            return parser.response_usage(body)
+        return parse_usage(body)
 
     def _response_metadata(self, usage: Usage | None) -> DynamicMetadata | None:
         """What the ResponseMetadata hooks report for `usage` (zeros when None), merged by

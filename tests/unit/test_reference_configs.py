@@ -1,8 +1,8 @@
 """Every EndpointPickerConfig in the reference EPP v1.5.0's docs and test data (one file each in
 tests/data/reference_configs/, naming where it comes from): what the reference accepts, the
 picker accepts with the same meaning, as `picker config show` prints it; what the reference
-rejects, the picker rejects with an error naming the place; and where the reference accepts a
-plugin type the picker does not have, the picker refuses it naming the type, the place and why.
+rejects, the picker rejects with an error naming the place. (The reference types the picker
+does not have are refused naming the type and why: test_config_reference_rules.py.)
 
 The expected meanings were read from the reference itself: epp v1.5.0 run with `--config-file F
 --pool-name x` and a kubeconfig naming an unreachable server logs its "Effective raw
@@ -79,14 +79,6 @@ class Rejected:
     error: str
 
 
-@dataclass(frozen=True)
-class Unsupported:
-    """The reference accepts the config, with a plugin type the picker does not have: the picker
-    refuses it with this error (naming the place and the type)."""
-
-    error: str
-
-
 FLOW_NOTE = 'flowControl: the section is ignored while the "flowControl" feature gate is off'
 FORWARDED = 'its parameters configure the "approx-prefix-cache-producer" added for it'
 EXTRACTOR_ENGINES = [
@@ -101,11 +93,7 @@ EXTRACTOR_ENGINES = [
 ]
 
 
-def unsupported(place: str, plugin_type: str) -> Unsupported:
-    return Unsupported(f'{place}.type: the picker does not support the reference type "{plugin_type}"')
-
-
-CASES: dict[str, Accepted | Rejected | Unsupported] = {
+CASES: dict[str, Accepted | Rejected] = {
     "chart-default.yaml": Accepted(
         named(*CHART_SCORERS, *DATA, *SYSTEM, *PRODUCER),
         [*CHART_PROFILE, MAX_SCORE],
@@ -120,7 +108,11 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         [*CHART_PROFILE, MAX_SCORE],
         parameters={"core-metrics-extractor": {"defaultEngine": "triton-tensorrt-llm"}},
     ),
-    "chart-grpc.yaml": unsupported("plugins[5]", "vllmgrpc-parser"),
+    "chart-grpc.yaml": Accepted(
+        named(*CHART_SCORERS, *DATA, "vllmgrpc-parser", *SYSTEM[:2], SYSTEM[3], *PRODUCER),
+        [*CHART_PROFILE, MAX_SCORE],
+        parser="vllmgrpc-parser",
+    ),
     "chart-latency-predictor.yaml": Accepted(
         named(
             *CHART_SCORERS,
@@ -240,7 +232,11 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         feature_gates=["dataLayer", "flowControl"],
         notes=['"dataLayer" is obsolete'],
     ),
-    "vllmgrpc-parser.yaml": unsupported("plugins[1]", "vllmgrpc-parser"),
+    "vllmgrpc-parser.yaml": Accepted(
+        named(("maxScore", "max-score-picker"), ("vllmgrpcParser", "vllmgrpc-parser"), SYSTEM[0], SYSTEM[3], *DATA),
+        [("maxScore", None)],
+        parser="vllmgrpcParser",
+    ),
     "model-servers-default-engine.yaml": Accepted(
         named(*SYSTEM, *DATA),
         [MAX_SCORE],
@@ -356,7 +352,19 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         data_layer=None,
         feature_gates=["enableLegacyMetrics"],
     ),
-    "integration-vllmgrpc-parser.yaml": unsupported("plugins[4]", "vllmgrpc-parser"),
+    "integration-vllmgrpc-parser.yaml": Accepted(
+        named(*CHART_SCORERS, "lora-affinity-scorer", "vllmgrpc-parser", *SYSTEM[:2], SYSTEM[3], *PRODUCER),
+        [
+            ("queue-scorer", 1.0),
+            ("kv-cache-utilization-scorer", 1.0),
+            ("prefix-cache-scorer", 1.0),
+            ("lora-affinity-scorer", 1.0),
+            MAX_SCORE,
+        ],
+        parser="vllmgrpc-parser",
+        data_layer=None,
+        feature_gates=["enableLegacyMetrics"],
+    ),
     "loader-max-score-only.yaml": Accepted(
         named(
             ("maxScore", "max-score-picker"), "single-profile-handler", "openai-parser", "utilization-detector", *DATA
@@ -487,7 +495,7 @@ def test_accepted_with_the_reference_meaning(name: str, capsys: pytest.CaptureFi
 @pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if not isinstance(case, Accepted)))
 def test_rejected_naming_the_place(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     expected = CASES[name]
-    assert isinstance(expected, (Rejected, Unsupported))
+    assert isinstance(expected, Rejected)
     code, shown, errors = config_show(CONFIGS / name, capsys)
     assert code == 1 and shown == ""
     assert any(line.startswith(expected.error) for line in errors.splitlines()), errors

@@ -102,6 +102,9 @@ chart's default-plugins.yaml (v1.5.0), data layer, parser and latency-predictor 
 {{- $source := .Values.inferenceExtension.metricsDataSource -}}
 {{- $engine := .Values.inferencePool.modelServerType | default "vllm" -}}
 {{- $parser := .Values.inferencePool.parser -}}
+{{- if and (eq (lower $engine) "vllm") (eq (.Values.inferencePool.modelServerProtocol | default "http") "grpc") -}}
+{{- $parser = "vllmgrpc-parser" -}}
+{{- end -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -186,9 +189,6 @@ earlier serviceMonitor.enabled). */}}
 {{- define "picker.validate" -}}
 {{- $ie := .Values.inferenceExtension -}}
 {{- $pool := .Values.inferencePool -}}
-{{- if eq ($pool.modelServerProtocol | default "http") "grpc" -}}
-{{- fail "inferencePool.modelServerProtocol grpc: picker parses OpenAI HTTP requests only, not vLLM's gRPC API. Use http." -}}
-{{- end -}}
 {{- if and $pool.targetPortNumber (ne (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- fail (printf "inferencePool.targetPortNumber (%d, the legacy single port) differs from targetPorts[0] (%d): set targetPorts only" (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- end -}}
