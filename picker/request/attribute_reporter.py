@@ -10,13 +10,12 @@ the usage changes, so a streamed response pays it about twice (before and after 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from cel_expr_python import cel
+from typing import Any, NamedTuple
 
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
@@ -26,15 +25,29 @@ from picker.framework.request import InferenceRequest, Usage
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "envoy.lb"
-_ENVIRONMENT = cel.NewEnv(variables={"usage": cel.Type("google.protobuf.Struct")})
-_NUMBERS = (cel.Type.INT, cel.Type.DOUBLE)  # what an expression may give (cel-go: int64 or float64)
+
+
+class _Cel(NamedTuple):
+    environment: Any  # cel.Env with the `usage` variable
+    error: Any  # the result types the reporter tells apart
+    boolean: Any
+    numbers: tuple[Any, ...]  # what an expression may give (cel-go: int64 or float64)
+
+
+@functools.cache
+def _cel() -> _Cel:
+    """CEL, imported on first use: only configs with a reporter load its library (~4 MB)."""
+    from cel_expr_python import cel
+
+    environment = cel.NewEnv(variables={"usage": cel.Type("google.protobuf.Struct")})
+    return _Cel(environment, cel.Type.ERROR, cel.Type.BOOL, (cel.Type.INT, cel.Type.DOUBLE))
 
 
 def compile_expression(source: str, where: str) -> Any:
     """`source` compiled and type-checked in the reporter's environment; PluginConfigError
     naming `where` and CEL's own message (line, column, caret) if it does not compile."""
     try:
-        return _ENVIRONMENT.compile(source)
+        return _cel().environment.compile(source)
     except RuntimeError as error:
         message = str(error).removeprefix("INVALID_ARGUMENT: ").removesuffix(" [INVALID_ARGUMENT]")
         raise PluginConfigError(f"{where}: failed to compile: {message}") from None
@@ -130,21 +143,21 @@ class RequestAttributeReporter(ResponseMetadata):
         return reporter
 
     def response_metadata(self, request: InferenceRequest, usage: Usage) -> DynamicMetadata:
-        attribute = self.attribute
-        variables = _ENVIRONMENT.Activation({"usage": usage_value(usage)})  # shared by both programs
+        attribute, cel = self.attribute, _cel()
+        variables = cel.environment.Activation({"usage": usage_value(usage)})  # shared by both programs
         if attribute.condition is not None:
             met = attribute.condition.eval(variables)
-            if met.type() == cel.Type.ERROR:
+            if met.type() == cel.error:
                 log.error("request %s: condition of %s failed: %s", request.request_id, self.name, met.value())
                 return {}
-            if met.type() != cel.Type.BOOL or met.value() is not True:
+            if met.type() != cel.boolean or met.value() is not True:
                 return {}
         result = attribute.expression.eval(variables)
-        if result.type() == cel.Type.ERROR:
+        if result.type() == cel.error:
             log.error("request %s: expression of %s failed: %s", request.request_id, self.name, result.value())
             return {}
         value = result.value()
-        if result.type() not in _NUMBERS or not math.isfinite(value):
+        if result.type() not in cel.numbers or not math.isfinite(value):
             log.error(
                 "request %s: expression of %s gave %r, not a finite int or double", request.request_id, self.name, value
             )

@@ -8,11 +8,11 @@ vllm_engine.proto for every field read here, with more fields the parser ignores
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters
@@ -24,6 +24,15 @@ from picker.request.openai import DEFAULT_FAIRNESS_ID, FAIRNESS_ID_HEADER, OBJEC
 GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 EMBED_PATH = "/vllm.grpc.engine.VllmEngine/Embed"
 _FRAME_HEADER_BYTES = 5  # gRPC's length prefix: a compressed flag and a big-endian length
+
+
+@functools.cache
+def _messages() -> Any:
+    """The generated vllm_engine messages, imported on first use: only configs with this
+    parser load them (~5 MB)."""
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    return vllm_engine_pb2
 
 
 def grpc_messages(data: bytes) -> Iterator[bytes]:
@@ -67,12 +76,14 @@ class VllmGrpcParser(Parser):
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> VllmGrpcParser:
         Parameters(parameters).finish()
+        _messages()  # imported now, with the config, not on the first request
         return cls(name)
 
     def parse(
         self, body: bytes, headers: Mapping[str, str], request_id: str, tenant_header: str | None
     ) -> InferenceRequest:
         path = headers.get(":path", "")
+        pb = _messages()
         if path == GENERATE_PATH:
             generate = pb.GenerateRequest()
             self._decode(body, generate, "Generate")
@@ -128,6 +139,7 @@ class VllmGrpcParser(Parser):
 
 def _usage(message: bytes) -> Usage | None:
     """The usage one response message reports, if any."""
+    pb = _messages()
     try:
         response = pb.GenerateResponse.FromString(message)
     except DecodeError:
