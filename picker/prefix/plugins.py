@@ -44,6 +44,7 @@ from picker.framework.parameters import Parameters, PluginConfigError
 from picker.framework.plugin import (
     Affinity,
     AffinitySource,
+    BackgroundWork,
     DataProducer,
     PreRequest,
     ResponseComplete,
@@ -563,7 +564,7 @@ class CacheFitScorer(ParameterlessScorer):
         return [1.0 if match.fits(c) else 0.0 for c in candidates]
 
 
-class TtftCostScorer(Scorer):
+class TtftCostScorer(Scorer, BackgroundWork):
     """`ttft-cost-scorer`: predicted time to first token, queue wait plus uncached prefill.
 
     Parameters: `prefillTokensPerSecond` (5000), `drainTokensPerSecond` (5000),
@@ -579,10 +580,21 @@ class TtftCostScorer(Scorer):
     category = ScorerCategory.BALANCE
     consumes = frozenset({PREFIX_MATCH_KEY})
 
-    def __init__(self, name: str, model: TtftModel, interference_weight: float = 0.0) -> None:
+    def __init__(
+        self, name: str, model: TtftModel, interference_weight: float = 0.0, priors: TtftPriors | None = None
+    ) -> None:
         super().__init__(name)
         self.model = model
         self.interference_weight = interference_weight
+        self.priors = priors or TtftPriors()
+
+    def start(self) -> None:
+        """The shared model takes this config's priors once the config is installed (a config
+        that fails validation after this scorer was built must leave the live model alone)."""
+        self.model.set_priors(self.priors)
+
+    async def stop(self) -> None:
+        """Nothing runs: the model's learnt rates outlive the config."""
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> TtftCostScorer:
@@ -598,8 +610,7 @@ class TtftCostScorer(Scorer):
         interference_weight = p.number("interferenceWeight", 0.0, at_least=0)
         effective = p.finish()
         model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
-        model.set_priors(priors)
-        scorer = cls(name, model, interference_weight)
+        scorer = cls(name, model, interference_weight, priors)
         scorer.parameters = effective
         return scorer
 
