@@ -109,9 +109,11 @@ class _RemoteLoad(NamedTuple):
     endpoints: Sequence[EndpointInFlight]
 
 
-def stream_name(namespace: str, pool: str) -> str:
-    """The stream of one pool's pickers: replicas of other pools on the same store never mix."""
-    return f"picker:state:v1:{namespace}/{pool or '-'}"
+def stream_name(namespace: str, pool: str, key: str | None = None) -> str:
+    """The stream of one pool's pickers: replicas of other pools on the same store never mix.
+    `key` (`--state-store-key`) replaces the pool's identity: deployments with static endpoints
+    have none, so two of them on one store would share a stream without it."""
+    return f"picker:state:v1:{key}" if key else f"picker:state:v1:{namespace}/{pool or '-'}"
 
 
 class _Backoff:
