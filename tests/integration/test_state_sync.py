@@ -261,3 +261,20 @@ async def test_queued_prefill_reaches_the_others_backlog(processes: Callable[...
     # 40,000 tokens drain at the prior 5,000 tokens/s: b still sees most of them
     await until(lambda: b.ttft.backlog(ENDPOINTS[1]) > 30_000, 5, "b to add a's queued prefill")
     assert b.ttft.backlog(ENDPOINTS[0]) == 0
+
+
+async def test_while_the_store_is_down_the_others_counts_expire_and_come_back_after(
+    redis_server: RedisServer, processes: Callable[..., Process], tmp_path: Path
+) -> None:
+    a, b = processes(load_expires_ms=600), processes(load_expires_ms=600)
+    a.datastore.acquire(ENDPOINTS[0], 10)
+    await until(lambda: b.in_flight()[ENDPOINTS[0]] == 1, 5, "b to count a's request")
+    redis_server.kill()
+    # b hears nothing more from a: it routes on its own counts once a's report has expired
+    await until(lambda: b.in_flight()[ENDPOINTS[0]] == 0, 5, "a's report to expire at b")
+    restarted = start_redis(tmp_path, "redis-restarted", port=redis_server.port)
+    try:
+        # a refreshes its report (still not zero) once the store answers
+        await until(lambda: b.in_flight()[ENDPOINTS[0]] == 1, 10, "a's report to come back")
+    finally:
+        restarted.stop()
