@@ -77,7 +77,7 @@ from picker.telemetry.metrics import (
 )
 
 if TYPE_CHECKING:
-    from picker.state.sync import SharedIndex
+    from picker.state.sync import SharedIndex, SharedTtft
 
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
@@ -273,6 +273,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         hasher: PromptHasher,
         ttft: TtftModel,
         shared: SharedIndex | None = None,
+        shared_ttft: SharedTtft | None = None,
     ) -> None:
         super().__init__(name)
         self.config = config
@@ -280,6 +281,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         self.hasher = hasher
         self.ttft = ttft
         self.shared = shared  # --state-store: what this index learns goes to the other pickers
+        self.shared_ttft = shared_ttft  # ... and what the TTFT model learns
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
@@ -315,7 +317,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
             lambda executor: executor.shutdown(wait=False, cancel_futures=True),
         )
-        shared = None
+        shared = shared_ttft = None
         sync = handle.state_sync
         if sync is not None:
             shared = handle.persistent(
@@ -323,7 +325,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
                 lambda: sync.share_index(index_key, partial(_apply_shared, index)),
                 lambda shared: shared.close(),
             )
-        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared)
+            shared_ttft = handle.persistent(
+                f"{TTFT_MODEL_KEY}/state-sync", lambda: sync.share_ttft(ttft), lambda shared: shared.close()
+            )
+        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared, shared_ttft)
         producer.parameters = effective
         return producer
 
@@ -405,6 +410,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         if self.config.index_responses and blocks.token_ids is not None:
             result.cycle_state[_RESPONSE_KEY] = []
         self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
+        if self.shared_ttft is not None:
+            self.shared_ttft.queued(target.address, blocks.prompt_tokens - expected)
         targets = [target]
         prefill = result.profile_results.get(PREFILL_PROFILE)
         if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
@@ -447,6 +454,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(cached / self.ttft.prefill_rate(address))
         if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
             self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
+            if self.shared_ttft is not None:
+                self.shared_ttft.observed(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
             result.cycle_state.explain()[OBSERVED_TTFT] = {
                 "endpoint": address,
                 "seconds": outcome.ttft_seconds,
