@@ -34,6 +34,7 @@ from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDa
 from picker.datastore.store import Datastore
 from picker.framework.handle import Handle, PersistentObjects
 from picker.framework.plugin import (
+    Admitter,
     AffinitySource,
     BackgroundWork,
     DataProducer,
@@ -44,6 +45,7 @@ from picker.framework.plugin import (
     PreRequest,
     ProfileHandler,
     ResponseComplete,
+    ResponseMetadata,
     ResponseReceived,
     ResponseStreaming,
     SaturationDetector,
@@ -95,8 +97,9 @@ class Runtime:
       settings, None while the feature gate is off;
     - the hooks by extension point, in the order the director runs them: `producers` (in
       dependency order; `async_producers` those with async work; `affinity_source` the first
-      that names a prompt's prefix holders, for flow control's late binding), `pre_request`,
-      `response_received`, `response_streaming`, `response_complete`;
+      that names a prompt's prefix holders, for flow control's late binding), `admitters`,
+      `pre_request`, `response_received`, `response_streaming`, `response_metadata`,
+      `response_complete`;
     - `background`: plugins with work of their own, started when installed;
     - `data_sources`: what the data layer scrapes (None with `enableLegacyMetrics` and no
       `dataLayer` section; empty when `dataLayer.sources: []` turns collection off);
@@ -150,11 +153,14 @@ class Runtime:
         self.affinity_source: AffinitySource | None = next(
             (s.plugin for s in self.producers if isinstance(s.plugin, AffinitySource)), None
         )
+        self.admitters = _steps([p for p in everything if isinstance(p, Admitter)], "AdmitRequest")
         self.pre_request = _steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest")
         self.response_received = _steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived")
         self.response_streaming = _steps(
             [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses], "ResponseStreaming"
         )
+        # The reference times its ResponseBody plugins (this hook) as ResponseStreaming.
+        self.response_metadata = _steps([p for p in everything if isinstance(p, ResponseMetadata)], "ResponseStreaming")
         self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
         self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -31,6 +31,8 @@ SYSTEM_OWNED_HEADERS = frozenset(
 )
 
 BodyMode = int  # ProcessingMode.BodySendMode value
+# Dynamic metadata to set: namespace → key → number (framework.plugin.DynamicMetadata).
+DynamicMetadata = Mapping[str, Mapping[str, float]]
 STREAMED = 1
 BUFFERED = 2
 BUFFERED_PARTIAL = 3
@@ -56,16 +58,36 @@ def continue_request_body() -> pb.ProcessingResponse:
     return _CONTINUE_REQUEST_BODY
 
 
-def continue_response_body() -> pb.ProcessingResponse:
-    return _CONTINUE_RESPONSE_BODY
+def continue_response_body(metadata: DynamicMetadata | None = None) -> pb.ProcessingResponse:
+    return _CONTINUE_RESPONSE_BODY if metadata is None else _with_metadata(_CONTINUE_RESPONSE_BODY, metadata)
 
 
 def continue_request_trailers() -> pb.ProcessingResponse:
     return _CONTINUE_REQUEST_TRAILERS
 
 
-def continue_response_trailers() -> pb.ProcessingResponse:
-    return _CONTINUE_RESPONSE_TRAILERS
+def continue_response_trailers(metadata: DynamicMetadata | None = None) -> pb.ProcessingResponse:
+    if metadata is None:
+        return _CONTINUE_RESPONSE_TRAILERS
+    return _with_metadata(_CONTINUE_RESPONSE_TRAILERS, metadata)
+
+
+def dynamic_metadata(values: DynamicMetadata) -> struct_pb2.Struct:
+    """Plugins' metadata (namespace → key → number) as ext_proc's `dynamic_metadata` struct."""
+    metadata = struct_pb2.Struct()
+    for namespace, fields in values.items():
+        target = metadata.fields[namespace].struct_value
+        for key, number in fields.items():
+            target.fields[key].number_value = number
+    return metadata
+
+
+def _with_metadata(response: pb.ProcessingResponse, metadata: DynamicMetadata) -> pb.ProcessingResponse:
+    """A copy of `response` that also sets `metadata` (Envoy applies it whatever the phase)."""
+    answer = pb.ProcessingResponse()
+    answer.CopyFrom(response)
+    answer.dynamic_metadata.CopyFrom(dynamic_metadata(metadata))
+    return answer
 
 
 def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
@@ -179,8 +201,10 @@ def streamed_request_body(body: bytes, end_of_stream: bool = True) -> Iterator[p
         )
 
 
-def streamed_response_body(chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    """Pass one response body chunk through unchanged (duplex mode)."""
+def streamed_response_body(
+    chunk: bytes, end_of_stream: bool, metadata: DynamicMetadata | None = None
+) -> pb.ProcessingResponse:
+    """Pass one response body chunk through unchanged (duplex mode), setting `metadata`."""
     return pb.ProcessingResponse(
         response_body=pb.BodyResponse(
             response=pb.CommonResponse(
@@ -188,7 +212,8 @@ def streamed_response_body(chunk: bytes, end_of_stream: bool) -> pb.ProcessingRe
                     streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
                 )
             )
-        )
+        ),
+        dynamic_metadata=None if metadata is None else dynamic_metadata(metadata),
     )
 
 

@@ -5,7 +5,7 @@ Request path: keep the headers; accumulate the body to end_of_stream; hand it to
 `envoy.lb` metadata (in the headers response for duplex and streamed modes, in the body
 response for BUFFERED), then re-emit the body in duplex mode. Response path: pass everything
 through and report what passes to the request's `RoutedRequest`, which the stream finishes
-when it ends for any reason.
+when it ends for any reason; the dynamic metadata it returns is set on the answer.
 """
 
 from __future__ import annotations
@@ -170,17 +170,18 @@ class _Stream:
         chunk = req.response_body.body
         end = self.response_ended = req.response_body.end_of_stream
         routed = self.routed
+        metadata = None  # what the response-metadata plugins report back to the proxy
         if routed is not None:
-            routed.response_body(chunk, end, None if routed.served is not None else messages.served_endpoint(req))
+            served = None if routed.served is not None else messages.served_endpoint(req)
+            metadata = routed.response_body(chunk, end, served)
         if self.response_mode == FULL_DUPLEX_STREAMED:
-            return [messages.streamed_response_body(chunk, end)]
-        return [messages.continue_response_body()]
+            return [messages.streamed_response_body(chunk, end, metadata)]
+        return [messages.continue_response_body(metadata)]
 
     def on_response_trailers(self) -> list[pb.ProcessingResponse]:
         self.response_ended = True
-        if self.routed is not None:
-            self.routed.response_trailers()
-        return [messages.continue_response_trailers()]
+        metadata = self.routed.response_trailers() if self.routed is not None else None
+        return [messages.continue_response_trailers(metadata)]
 
     async def dispatch(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The answers to one message from Envoy, in order (possibly none yet)."""
