@@ -26,7 +26,7 @@ from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import Affinity, AffinitySource, DynamicMetadata, SchedulingResult
+from picker.framework.plugin import Affinity, DynamicMetadata, SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage
@@ -457,7 +457,7 @@ class Director:
         self, runtime: Runtime, request: InferenceRequest, subset: Sequence[str] | None, cycle_state: CycleState
     ) -> Callable[[], Affinity | None] | None:
         """Where the request's prefix is cached, asked at dispatch time (None: no producer knows)."""
-        source = next((s.plugin for s in runtime.producers if isinstance(s.plugin, AffinitySource)), None)
+        source = runtime.affinity_source
         if source is None:
             return None
 
