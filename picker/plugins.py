@@ -1,7 +1,7 @@
 """Every built-in plugin type, in one list: what a config's `type:` may name.
 
 A new plugin type is added here (and nowhere else): its implementation lives with its concern
-(scheduling, prefix, kvevents, datalayer, request, requestcontrol) and knows nothing of this list.
+(scheduling, prefix, latency, kvevents, datalayer, request) and knows nothing of this list.
 The reference EPP's types the picker does not have are listed too, with the reason a config
 naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`).
 """
@@ -12,6 +12,13 @@ from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer,
 from picker.flowcontrol.policies import POLICY_FACTORIES
 from picker.framework.registry import Registration, Registry
 from picker.kvevents.plugins import PreciseScorer
+from picker.latency.plugins import (
+    LatencyScorer,
+    LatencySloAdmitter,
+    PredictedLatencyProducer,
+    PrefixCacheAffinityFilter,
+    SloHeadroomTierFilter,
+)
 from picker.prefix.plugins import (
     PREFIX_MATCH_KEY,
     PROMPT_BLOCKS_KEY,
@@ -21,8 +28,10 @@ from picker.prefix.plugins import (
     TtftCostScorer,
 )
 from picker.prefix.session import SessionAffinityScorer
+from picker.request.attribute_reporter import RequestAttributeReporter
 from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
+from picker.request.vllm_grpc import VllmGrpcParser
 from picker.scheduling.concurrency import ConcurrencyDetector
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
@@ -61,6 +70,12 @@ REGISTRY = Registry(
         Registration(CacheFitScorer.plugin_type, CacheFitScorer.create),
         Registration(TtftCostScorer.plugin_type, TtftCostScorer.create),
         Registration(SessionAffinityScorer.plugin_type, SessionAffinityScorer.create),
+        # latency: the reference's latency-predictor plugins, on the picker's TTFT and TPOT models
+        Registration(PredictedLatencyProducer.plugin_type, PredictedLatencyProducer.create),
+        Registration(LatencyScorer.plugin_type, LatencyScorer.create),
+        Registration(PrefixCacheAffinityFilter.plugin_type, PrefixCacheAffinityFilter.create),
+        Registration(SloHeadroomTierFilter.plugin_type, SloHeadroomTierFilter.create),
+        Registration(LatencySloAdmitter.plugin_type, LatencySloAdmitter.create),
         # kvevents: the precise index fed by the engines' KV-cache events
         Registration(PreciseScorer.plugin_type, PreciseScorer.create),
         # datalayer: what to scrape and read
@@ -70,27 +85,23 @@ REGISTRY = Registry(
         # request: parsing
         Registration(OpenAIParser.plugin_type, OpenAIParser.create),
         Registration(PassthroughParser.plugin_type, PassthroughParser.create),
+        Registration(VllmGrpcParser.plugin_type, VllmGrpcParser.create),
+        # request: what the response's usage reports back to the proxy
+        Registration(RequestAttributeReporter.plugin_type, RequestAttributeReporter.create),
         # flowcontrol: fairness, ordering and usage-limit policies
         *(Registration(t, create) for t, create in POLICY_FACTORIES),
     ]
 )
 
-_LATENCY_PREDICTOR = (
-    "part of the reference's latency predictor, which needs its training and prediction sidecars; "
-    "the picker predicts time to first token itself: see ttft-cost-scorer"
-)
 
 # Plugin types the reference EPP v1.5.0 registers that the picker does not have, and why: a
 # config naming one fails with this reason rather than as an unknown type.
 UNSUPPORTED_REFERENCE_TYPES = {
-    "vllmgrpc-parser": "the picker routes OpenAI-style HTTP requests; vLLM's gRPC API is not supported",
-    "request-attribute-reporter": "CEL expressions over response usage are not supported",
-    "predicted-latency-scorer": _LATENCY_PREDICTOR,
-    "predicted-latency-producer": _LATENCY_PREDICTOR,
-    "latency-slo-admitter": _LATENCY_PREDICTOR,
-    "latency-scorer": _LATENCY_PREDICTOR,
-    "prefix-cache-affinity-filter": _LATENCY_PREDICTOR,
-    "slo-headroom-tier-filter": _LATENCY_PREDICTOR,
+    "predicted-latency-scorer": (
+        "the reference's all-in-one latency-predictor scorer, which asks the prediction sidecars itself; the "
+        "picker has the split form the reference's chart configures: predicted-latency-producer with "
+        "latency-scorer and the SLO filters"
+    ),
     "k8s-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "endpoint-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "destination-endpoint-served-verifier": "a conformance-test plugin of the reference",

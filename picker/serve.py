@@ -27,7 +27,7 @@ from picker.discovery.static import EndpointFile, EndpointListError, parse_endpo
 from picker.extproc.server import ExtProcServer, ExtProcSettings, Tls
 from picker.framework.durations import parse_duration as parse_go_duration
 from picker.requestcontrol.director import Director
-from picker.state.url import StoreUrl, parse_store_url
+from picker.state.url import StoreUrl, parse_store_key, parse_store_url
 from picker.telemetry import logging as logs
 from picker.telemetry import metrics
 from picker.telemetry.decisions import DecisionLog
@@ -191,7 +191,10 @@ def model_server_scrape(args: argparse.Namespace) -> ScrapeSettings:
 
 
 def check_refused(args: argparse.Namespace) -> None:
-    """Refuse what the reference refuses: its deprecated metric-name flags when set."""
+    """Refuse what the reference refuses (its deprecated metric-name flags when set), and flags
+    that would do nothing."""
+    if args.state_store_key is not None and args.state_store is None:
+        raise FlagError("--state-store-key: names state in a store; give --state-store too")
     for dest, (flag, _) in REFUSED_METRIC_FLAGS.items():
         if getattr(args, dest) is not None:
             raise FlagError(
@@ -284,10 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-store",
         type=_checked(parse_store_url),
         metavar="URL",
-        help="share what picks teach (the approximate prefix index) with the other picker processes and replicas "
+        help="share what picks teach (the approximate prefix index, in-flight counts, the TTFT model's samples) with "
+        "the other picker processes and replicas "
         "of the pool through this Redis/Valkey: redis://[user:pass@]host:port[/db], rediss:// for TLS; the "
         f"password may come from ${STATE_STORE_PASSWORD_ENV} instead. Requests read only local state: the store "
         "being down or slow never fails or delays one. (default: nothing shared)",
+    )
+    srv.add_argument(
+        "--state-store-key",
+        type=_checked(parse_store_key),
+        metavar="KEY",
+        help="which state in the --state-store is this picker's: pickers with the same key share it. Set it when "
+        "deployments with static endpoints (--endpoints, --endpoints-file) share one store, or they would share "
+        "one another's. (default: the pool's namespace/name)",
     )
     _bool_flag(
         srv,
@@ -530,7 +542,7 @@ class PickerServer:
 
         return StateSync(
             url,
-            stream_name(self.args.pool_namespace, self.args.pool_name or ""),
+            stream_name(self.args.pool_namespace, self.args.pool_name or "", self.args.state_store_key),
             self.datastore,
             password=url.password or os.environ.get(STATE_STORE_PASSWORD_ENV) or None,
         )

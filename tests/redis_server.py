@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from picker.bench.process import ManagedProcess, free_port, port_open
+from picker.bench.systems import redis_argv
 
 
 @dataclass
@@ -40,10 +41,6 @@ def start_redis(
     binary = shutil.which("redis-server")
     assert binary, "redis-server is missing: run tools/install-test-binaries.sh"
     port = port or free_port()
-    argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-    argv += ["--dir", str(log_dir), "--dbfilename", f"{name}.rdb"]
-    if password:
-        argv += ["--requirepass", password]
-    process = ManagedProcess(name, argv, log_dir).start()
+    process = ManagedProcess(name, redis_argv(binary, port, log_dir, name, password), log_dir).start()
     process.wait_ready(lambda: port_open("127.0.0.1", port), timeout=20)
     return RedisServer(process, port, password)

@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
-        "picker, picker:LABEL, external:URL",
+        "picker, picker:LABEL, external:URL; picker[:LABEL]@N runs N picker replicas behind one Envoy "
+        "(LEAST_REQUEST over them), picker[:LABEL]@N+store makes them share state through a redis-server "
+        "(--state-store), e.g. picker:best@3,picker:best@3+store",
     )
     p.add_argument(
         "--bounds-only",

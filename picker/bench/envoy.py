@@ -69,6 +69,58 @@ def picker_config(
     return config
 
 
+# Streams Envoy sends over one connection to a picker replica: with more, one connection would
+# carry all of a replica's streams and LEAST_REQUEST could not spread new ones by connection.
+REPLICA_STREAMS_PER_CONNECTION = 8
+REPLICA_EJECTION_SECONDS = 5
+REPLICA_HEALTH_CHECK_SECONDS = 1
+REPLICA_UNHEALTHY_CHECKS = 2
+
+
+def replicated_picker_config(
+    mode: str,
+    listen: tuple[str, int],
+    pickers: Sequence[tuple[str, int]],
+    admin: tuple[str, int],
+    tls: bool = True,
+) -> dict[str, Any]:
+    """A shipped picker config whose ext_proc cluster balances over several picker replicas
+    (`pickers`), the least loaded first (LEAST_REQUEST counts each replica's open streams).
+
+    The replicas must serve the gRPC health service on their ext_proc port (`--health-checking`):
+    the shipped cluster health-checks it, and with every replica failing the check Envoy would
+    route in panic mode, to dead replicas too. A replica whose connection fails or is reset is
+    ejected at once (outlier detection on local-origin failures) rather than after the health
+    check's failed rounds, and the check runs every second so that it has marked a dead replica
+    unhealthy before the ejection ends (`REPLICA_EJECTION_SECONDS`). (Envoy does not retry an
+    ext_proc stream: the gRPC client's retry policy did nothing here, so a stream put on a dead
+    replica before its ejection fails.)"""
+    if not pickers:
+        raise ValueError("no picker replicas given")
+    config = picker_config(mode, listen, pickers[0], admin, tls, REPLICA_STREAMS_PER_CONNECTION)
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "ext_proc":
+            cluster["lb_policy"] = "LEAST_REQUEST"
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+                {"endpoint": {"address": _socket(*picker)}} for picker in pickers
+            ]
+            for check in cluster.get("health_checks", ()):
+                # Envoy counts the ext_proc client's streams as no traffic: without these the
+                # check would run every 60 s (no_traffic_interval's default).
+                for interval in ("interval", "no_traffic_interval", "no_traffic_healthy_interval"):
+                    check[interval] = f"{REPLICA_HEALTH_CHECK_SECONDS}s"
+                check["unhealthy_threshold"] = REPLICA_UNHEALTHY_CHECKS
+            cluster["outlier_detection"] = {
+                "split_external_local_origin_errors": True,
+                "consecutive_local_origin_failure": 1,
+                "enforcing_consecutive_local_origin_failure": 100,
+                "interval": "1s",
+                "base_ejection_time": f"{REPLICA_EJECTION_SECONDS}s",
+                "max_ejection_percent": 50,  # one replica at least stays in (of 2 or more)
+            }
+    return config
+
+
 def baseline_config(
     policy: str, listen: tuple[str, int], backends: Sequence[str], admin: tuple[str, int]
 ) -> dict[str, Any]:

@@ -145,10 +145,21 @@ def tenant_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
 
 
 def terminal_table(report: BenchReport) -> str:
-    """A plain aligned table for the terminal, and the per-tenant one when there are tenants."""
+    """A plain aligned table for the terminal; with tenants, the per-tenant one and the rates while
+    requests arrive."""
     text = _aligned(*table_rows(report))
     header, rows = tenant_rows(report)
-    return text + ("\n\n" + _aligned(header, rows) if rows else "")
+    if not rows:
+        return text
+    window = _arrival_window(report)
+    return f"{text}\n\n{_aligned(header, rows)}\nwhile requests arrive, out tok/s (pods decoding): {window}"
+
+
+def _arrival_window(report: BenchReport) -> str:
+    return ", ".join(
+        f"{name} {r.arrival_window_tokens_per_s:.0f} ({r.arrival_window_pods_decoding:.2f})"
+        for name, r in report.systems.items()
+    )
 
 
 def _aligned(header: list[str], rows: list[list[str]]) -> str:
@@ -248,6 +259,11 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
                 "429: rejected (flow-control queue full, or shed); 503: expired in the flow-control queue (TTL) "
                 "or no endpoint."
             ),
+            "",
+            "While requests arrive (from the first arrival to the last: the same window for every system, "
+            "whichever run ends first), the output tok/s of the requests answered by then and, in brackets, "
+            "the requests decoding per pod on average (first token to last; under overload below the pods' "
+            "batch when they ran short of work): " + _arrival_window(report) + ".",
             "",
         ]
     out += [

@@ -75,6 +75,14 @@ class SystemResult:
     ttfts_s: tuple[float, ...] = ()  # every successful request's TTFT, for the CDF plot
     attribution: Attribution | None = None  # where the prompt tokens' cache hits went
     tenants: tuple[TenantResult, ...] = ()  # per tenant and objective, for workloads that name them
+    # Output tokens of the requests answered by the last arrival, per second from the first
+    # arrival to the last: the rate while load arrives. `output_tokens_per_s` divides by the
+    # whole run, which ends when the last answer comes, so a system that sheds its backlog (a
+    # flow-control TTL) ends sooner than one that serves it until the drain timeout, and its
+    # quieter start weighs more; this rate compares them over the same window.
+    arrival_window_tokens_per_s: float = 0.0
+    # Over the same window, the requests decoding per pod on average (`pods_decoding`).
+    arrival_window_pods_decoding: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""
@@ -97,6 +105,8 @@ def summarize(
     start = min((r.due_s for r in results), default=0.0)
     end = max((r.due_s + r.e2e_s for r in ok if r.e2e_s is not None), default=start)
     wall = end - start
+    last_arrival = max((r.due_s for r in results), default=0.0)
+    arrived = sum(r.output_tokens for r in ok if r.e2e_s is not None and r.due_s + r.e2e_s <= last_arrival)
     pods: dict[str, dict[str, int]] = {}
     for r in ok:
         if r.pod is not None:
@@ -127,7 +137,23 @@ def summarize(
         error_kinds=dict(kinds),
         ttfts_s=tuple(sorted(ttfts)),
         tenants=per_tenant(results, wall),
+        arrival_window_tokens_per_s=arrived / (last_arrival - start) if last_arrival > start else 0.0,
+        arrival_window_pods_decoding=pods_decoding(results, num_pods, start, last_arrival),
     )
+
+
+def pods_decoding(results: Sequence[RequestResult], num_pods: int, start: float, end: float) -> float:
+    """Requests decoding per pod, on average over [start, end]: a served request counts from its
+    first token to its last as the client saw them. Under overload it is a pod's batch when the
+    pods are kept busy; below it, they ran short of work (e.g. a flow-control detector that
+    holds requests until a pod has a free seat, so the seat idles until the next one arrives)."""
+    if num_pods <= 0 or end <= start:
+        return 0.0
+    busy = 0.0
+    for r in results:
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None:
+            busy += max(0.0, min(end, r.due_s + r.e2e_s) - max(start, r.due_s + r.ttft_s))
+    return busy / num_pods / (end - start)
 
 
 def per_tenant(results: Sequence[RequestResult], wall_s: float) -> tuple[TenantResult, ...]:

@@ -6,6 +6,8 @@ exists and stops everything it started, newest first, however the run ends.
 
 from __future__ import annotations
 
+import re
+import shutil
 import signal
 import sys
 import urllib.request
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
+from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
 from picker.bench.process import ManagedProcess, free_port, port_open
 from picker.bench.stats import DecisionTime, histogram_decision_time
 
@@ -27,6 +29,9 @@ ROUTER_POLICIES = {
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
 }
 KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, "external")
+# picker[:LABEL]@N[+store]: N replicas behind one Envoy, sharing state through a redis-server
+REPLICAS = re.compile(r"@(?P<replicas>\d+)(?P<store>\+store)?$")
+MAX_REPLICAS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,8 @@ class SystemSpec:
     kind: str
     config_file: Path | None = None  # picker systems
     url: str | None = None  # external systems
+    replicas: int = 1  # picker systems: picker processes behind one Envoy
+    shared_state: bool = False  # picker systems: the replicas share state through a redis-server
 
 
 def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list[SystemSpec]:
@@ -44,7 +51,8 @@ def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
-        kind, _, arg = name.partition(":")
+        replicated = REPLICAS.search(name)
+        kind, _, arg = name[: replicated.start() if replicated else None].partition(":")
         if kind not in KINDS:
             raise ValueError(f"unknown system {name!r}; known: {', '.join(KINDS)} (picker:LABEL, external:URL)")
         if kind == "external":
@@ -54,7 +62,13 @@ def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list
         elif kind == "picker":
             if arg and arg not in picker_configs:
                 raise ValueError(f"{name!r}: no --picker-config {arg}=FILE given")
-            specs.append(SystemSpec(name, kind, config_file=picker_configs.get(arg)))
+            replicas = int(replicated["replicas"]) if replicated else 1
+            if not 1 <= replicas <= MAX_REPLICAS:
+                raise ValueError(f"{name!r}: replicas must be 1 to {MAX_REPLICAS}")
+            shared = bool(replicated and replicated["store"])
+            specs.append(SystemSpec(name, kind, picker_configs.get(arg), replicas=replicas, shared_state=shared))
+        elif replicated:
+            raise ValueError(f"{name!r}: only picker systems take @N replicas")
         elif arg:
             raise ValueError(f"{name!r}: only picker:LABEL and external:URL take an argument")
         else:
@@ -206,20 +220,21 @@ def _http_ok(url: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Gateway:
-    """A started system: where clients send, and where the picker's metrics are (if any)."""
+    """A started system: where clients send, and where its pickers' metrics are (if any)."""
 
     url: str
-    metrics_url: str | None = None
+    metrics_urls: tuple[str, ...] = ()
 
     def decision_time(self) -> DecisionTime | None:
-        """The picker's scheduling-time histogram, if this system has one."""
-        if not self.metrics_url:
-            return None
+        """The pickers' scheduling-time histogram (every replica's summed), if this system has one."""
+        pages = []
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
-                return histogram_decision_time(r.read().decode(), DECISION_METRIC)
+            for url in self.metrics_urls:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    pages.append(r.read().decode())
         except OSError:
             return None
+        return histogram_decision_time("\n".join(pages), DECISION_METRIC) if pages else None
 
 
 def start_system(
@@ -237,35 +252,27 @@ def start_system(
         envoy.wait_ready(envoy.ready)
         return Gateway(envoy.url)
     if spec.kind == "picker":
-        grpc, health, metrics = free_port(), free_port(), free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "picker.cli",
-            "serve",
-            "--endpoints-file",
-            str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml")),
-            "--grpc-port",
-            str(grpc),
-            "--grpc-health-port",
-            str(health),
-            "--metrics-port",
-            str(metrics),
-            "--bind-address",
-            HOST,
-            "--secure-serving=false",
-        ]
+        argv = ["--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml"))]
         if spec.config_file:
             argv += ["--config-file", str(spec.config_file)]
         if objectives:
             argv += ["--objectives-file", str(objectives)]
-        picker = launcher.start(ManagedProcess(f"picker-{tag}", argv, log_dir))
-        metrics_url = f"http://{HOST}:{metrics}/metrics"
-        picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
-        envoy = EnvoyProcess(f"envoy-{tag}", picker_config("duplex", listen, (HOST, grpc), admin, tls=False), log_dir)
+        if spec.shared_state:
+            argv += ["--state-store", start_redis(launcher, tag)]
+        replicated = spec.replicas > 1 or spec.shared_state
+        if replicated:
+            argv.append("--health-checking")  # Envoy's health check tells live replicas from dead ones
+        names = [f"picker-{tag}-{n}" for n in range(spec.replicas)] if replicated else [f"picker-{tag}"]
+        started = [start_picker(launcher, name, argv) for name in names]
+        pickers = [(HOST, grpc) for grpc, _ in started]
+        if replicated:
+            config = replicated_picker_config("duplex", listen, pickers, admin, tls=False)
+        else:
+            config = picker_config("duplex", listen, pickers[0], admin, tls=False)
+        envoy = EnvoyProcess(f"envoy-{tag}", config, log_dir)
         launcher.start(envoy)
         envoy.wait_ready(envoy.ready)
-        return Gateway(envoy.url, metrics_url)
+        return Gateway(envoy.url, tuple(url for _, url in started))
     if spec.kind in ROUTER_POLICIES:
         router, policy = ROUTER_POLICIES[spec.kind]
         port, prometheus = listen[1], free_port()
@@ -294,3 +301,33 @@ def start_system(
         return Gateway(url)
     assert spec.kind == "external" and spec.url
     return Gateway(spec.url)
+
+
+def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[int, str]:
+    """One `picker serve` with `flags` on free ports, started and ready: its ext_proc port and
+    its metrics URL."""
+    grpc, health, metrics = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "picker.cli", "serve", *flags, "--bind-address", HOST]
+    argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    picker = launcher.start(ManagedProcess(name, [*argv, "--secure-serving=false"], launcher.log_dir))
+    metrics_url = f"http://{HOST}:{metrics}/metrics"
+    picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
+    return grpc, metrics_url
+
+
+def start_redis(launcher: Launcher, tag: str) -> str:
+    """A fresh redis-server for one system's replicas (nothing persisted); its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server not found: run tools/install-test-binaries.sh (Debian redis-server)")
+    port = free_port()
+    redis = launcher.start(ManagedProcess(f"redis-{tag}", redis_argv(binary, port, launcher.log_dir), launcher.log_dir))
+    redis.wait_ready(lambda: port_open(HOST, port), timeout=20)
+    return f"redis://{HOST}:{port}/0"
+
+
+def redis_argv(binary: str, port: int, data_dir: Path, name: str = "redis", password: str | None = None) -> list[str]:
+    """A redis-server on HOST:`port` that persists nothing (its files, if any, in `data_dir`)."""
+    argv = [binary, "--bind", HOST, "--port", str(port), "--save", "", "--appendonly", "no"]
+    argv += ["--dir", str(data_dir), "--dbfilename", f"{name}.rdb"]
+    return [*argv, "--requirepass", password] if password else argv

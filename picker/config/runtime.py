@@ -34,6 +34,8 @@ from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDa
 from picker.datastore.store import Datastore
 from picker.framework.handle import Handle, PersistentObjects
 from picker.framework.plugin import (
+    Admitter,
+    AffinitySource,
     BackgroundWork,
     DataProducer,
     Filter,
@@ -43,6 +45,7 @@ from picker.framework.plugin import (
     PreRequest,
     ProfileHandler,
     ResponseComplete,
+    ResponseMetadata,
     ResponseReceived,
     ResponseStreaming,
     SaturationDetector,
@@ -93,8 +96,10 @@ class Runtime:
     - `parser`, `saturation_detector`, `scheduler`; `flow_control`: the resolved `flowControl`
       settings, None while the feature gate is off;
     - the hooks by extension point, in the order the director runs them: `producers` (in
-      dependency order; `async_producers` those with async work), `pre_request`,
-      `response_received`, `response_streaming`, `response_complete`;
+      dependency order; `async_producers` those with async work; `affinity_source` the first
+      that names a prompt's prefix holders, for flow control's late binding), `admitters`,
+      `pre_request`, `response_received`, `response_streaming`, `response_metadata`,
+      `response_complete`;
     - `background`: plugins with work of their own, started when installed;
     - `data_sources`: what the data layer scrapes (None with `enableLegacyMetrics` and no
       `dataLayer` section; empty when `dataLayer.sources: []` turns collection off);
@@ -145,11 +150,17 @@ class Runtime:
         self.async_producers = tuple(
             s for s in self.producers if type(s.plugin).prepare_async is not DataProducer.prepare_async
         )
+        self.affinity_source: AffinitySource | None = next(
+            (s.plugin for s in self.producers if isinstance(s.plugin, AffinitySource)), None
+        )
+        self.admitters = _steps([p for p in everything if isinstance(p, Admitter)], "AdmitRequest")
         self.pre_request = _steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest")
         self.response_received = _steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived")
         self.response_streaming = _steps(
             [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses], "ResponseStreaming"
         )
+        # The reference times its ResponseBody plugins (this hook) as ResponseStreaming.
+        self.response_metadata = _steps([p for p in everything if isinstance(p, ResponseMetadata)], "ResponseStreaming")
         self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
         self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))
 

@@ -1,8 +1,8 @@
 """The datastore: the pool's endpoints, their latest metrics and the picker's own in-flight load.
 
 Discovery replaces the endpoint set, the data layer replaces metrics, the director counts
-in-flight requests. Everything runs on one event loop, so plain dicts suffice; the request
-path only reads.
+in-flight requests, state sync adds the other picker processes' (`set_remote_in_flight`).
+Everything runs on one event loop, so plain dicts suffice; the request path only reads.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ class Datastore:
         self._metrics: dict[str, EndpointMetrics] = {}
         self._in_flight_requests: dict[str, int] = {}
         self._in_flight_tokens: dict[str, int] = {}
+        # The other picker processes' in-flight load (--state-store), summed; snapshots add it.
+        self._remote_requests: dict[str, int] = {}
+        self._remote_tokens: dict[str, int] = {}
+        # Called on every acquire and release (state sync publishes the counts); must not block.
+        self.in_flight_listener: Callable[[], None] | None = None
         self._listeners: list[EndpointListener] = []
         self._load_listeners: list[Callable[[], None]] = []
         self.synced = False  # True once discovery has delivered a full endpoint list
@@ -100,16 +105,34 @@ class Datastore:
     def acquire(self, address: str, tokens: int) -> None:
         self._in_flight_requests[address] = self._in_flight_requests.get(address, 0) + 1
         self._in_flight_tokens[address] = self._in_flight_tokens.get(address, 0) + tokens
+        if self.in_flight_listener is not None:
+            self.in_flight_listener()
 
     def release(self, address: str, tokens: int) -> None:
         if address not in self._in_flight_requests:
             return  # the endpoint left the pool while the request ran
         self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
         self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
+        if self.in_flight_listener is not None:
+            self.in_flight_listener()
         self._load_changed()
 
     def in_flight(self, address: str) -> int:
+        """Requests this process has in flight at `address` (the others' not included)."""
         return self._in_flight_requests.get(address, 0)
+
+    def local_in_flight(self) -> list[tuple[str, int, int]]:
+        """(address, requests, tokens) of every endpoint this process has requests in flight at."""
+        tokens = self._in_flight_tokens
+        return [(a, n, tokens.get(a, 0)) for a, n in self._in_flight_requests.items() if n > 0]
+
+    def set_remote_in_flight(self, requests: dict[str, int], tokens: dict[str, int]) -> None:
+        """Replace the other processes' in-flight load (summed over them) that snapshots add."""
+        dropped = any(n > requests.get(a, 0) for a, n in self._remote_requests.items())
+        self._remote_requests = requests
+        self._remote_tokens = tokens
+        if dropped:
+            self._load_changed()  # capacity freed elsewhere: flow control may dispatch
 
     # -- snapshots (read by the request path) ----------------------------------------------
 
@@ -124,12 +147,21 @@ class Datastore:
         metrics = self._metrics
         requests = self._in_flight_requests
         tokens = self._in_flight_tokens
+        remote_requests = self._remote_requests
+        if not remote_requests:
+            return [
+                EndpointState(
+                    e, metrics.get(e.address, _NO_METRICS), requests.get(e.address, 0), tokens.get(e.address, 0)
+                )
+                for e in selected
+            ]
+        remote_tokens = self._remote_tokens
         return [
             EndpointState(
                 e,
                 metrics.get(e.address, _NO_METRICS),
-                requests.get(e.address, 0),
-                tokens.get(e.address, 0),
+                requests.get(e.address, 0) + remote_requests.get(e.address, 0),
+                tokens.get(e.address, 0) + remote_tokens.get(e.address, 0),
             )
             for e in selected
         ]

@@ -15,13 +15,16 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import picker_extproc_core as core
 
 from picker.request.errors import RequestError
 from picker.requestcontrol.director import Director, RoutedRequest
 from picker.telemetry import metrics
+
+if TYPE_CHECKING:
+    from picker.framework.plugin import DynamicMetadata
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,13 @@ class Tls:
     key_pem: bytes | None = None
     cert_pem: bytes | None = None
     cert_dir: str | None = None
+
+
+def _plain(metadata: DynamicMetadata | None) -> dict[str, dict[str, float]] | None:
+    """The hooks' metadata as the core takes it (plain dicts)."""
+    if metadata is None:
+        return None
+    return {namespace: dict(values) for namespace, values in metadata.items()}
 
 
 def _internal_error() -> RequestError:
@@ -129,16 +139,23 @@ class ExtProcServer:
             _, stream, body, headers, subset = event
             self._routing[stream] = asyncio.create_task(self._route(stream, body, headers, subset))
         elif kind == core.RESPONSE_BODY:
-            _, stream, data, end_of_stream, served, first_byte_at = event
+            _, stream, data, end_of_stream, served, first_byte_at, asks = event
+            metadata = None
             if (routed := self._reported(stream, end_of_stream)) is not None:
-                routed.response_body(data, end_of_stream, served, first_byte_at)
+                metadata = routed.response_body(data, end_of_stream, served, first_byte_at)
+            if asks:  # the answer to this chunk waits for what the response-metadata hooks report
+                self._core.metadata(stream, _plain(metadata))
         elif kind == core.RESPONSE_HEADERS:
             _, stream, status, served, content_type, end_of_stream = event
             if (routed := self._reported(stream, end_of_stream)) is not None:
                 routed.response_headers(status, served, content_type, end_of_stream)
         elif kind == core.RESPONSE_TRAILERS:
-            if (routed := self._reported(event[1], True)) is not None:
-                routed.response_trailers()
+            _, stream, asks = event
+            metadata = None
+            if (routed := self._reported(stream, True)) is not None:
+                metadata = routed.response_trailers()
+            if asks:
+                self._core.metadata(stream, _plain(metadata))
         elif kind == core.CLOSED:
             _, stream, error = event
             task = self._routing.pop(stream, None)
@@ -182,8 +199,10 @@ class ExtProcServer:
         runtime = routed.runtime
         # Response-streaming hooks read each chunk as it passes; otherwise chunks come coalesced.
         chunks = runtime is not None and bool(runtime.response_streaming)
+        # Response-metadata hooks set dynamic metadata on the answers to response messages.
+        metadata = runtime is not None and bool(runtime.response_metadata)
         replaced = None if routed.body is body or body is None else routed.body
-        self._core.route(stream, routed.destination, replaced, chunks)
+        self._core.route(stream, routed.destination, replaced, chunks, metadata)
 
     def _fail(self, stream: int, error: RequestError) -> None:
         """Answer the client with `error`; the request, if routed, ends with its code."""

@@ -11,13 +11,15 @@ Late binding: a dispatched request is scheduled after it leaves the queue, on th
 endpoints and metrics. One dispatch is outstanding at a time (the *handoff*): the next cycle
 runs once the dispatched request is counted in flight (or fails), so the detector sees it.
 
-Prefix affinity (`picker.flowcontrol.affinity`): a cycle takes requests in dispatch order and
-dispatches the first that may go now. A request whose prefix holders are all full is *parked*
-instead: it has had its turn (its priority and its fairness policy's pick are kept), and from
-then on it comes before every request of its band and the lower bands that has not had its turn, as
-soon as one of its holders has room or its wait ends (`max_affinity_wait`). Requests behind it
-whose holders have room (or with nothing cached) go meanwhile: the pool idles only when every
-queued request waits for a full holder. The wait is not bounded by the time recomputing the
+Prefix affinity: a cycle dispatches the first request that may go now, by strict priority
+between bands, the band's fairness policy among the flows that have such a request and the
+flow's ordering policy (`picker.flowcontrol.queues`). A request whose prefix holders are all
+full may not go until one of them has room or its wait ends (`max_affinity_wait`): it is
+*parked* in its flow, keeping its place in the flow's order, and requests that may go (a holder
+with room, nothing cached) go meanwhile, of its flow or another; the pool idles only when every
+queued request waits for a full holder. A parked request that may go again competes for its
+flow's turn like any other, so waiting for a holder neither jumps a flow ahead of the others
+nor costs it its turns. The wait is not bounded by the time recomputing the
 prefix elsewhere takes: a request sent elsewhere also evicts that pod's own prefixes, and at 120%
 load on shared prefixes that bound (about 0.3 s) kept a hit ratio of 58% against 78% with 3 s
 (BENCHMARKS.md, flow control).
@@ -76,8 +78,6 @@ class FlowController:
         self.count = 0
         self.bytes = 0
         self._handoff: QueuedRequest | None = None
-        # Parked requests (waiting for a prefix holder), in dispatch order: (-priority, turn).
-        self._parked: list[tuple[tuple[int, int], QueuedRequest]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cycle_scheduled = False
         self._tick: asyncio.TimerHandle | None = None
@@ -169,13 +169,9 @@ class FlowController:
     def _leave(self, item: QueuedRequest, outcome: Outcome) -> None:
         """`item` leaves its queue before dispatch (TTL, client gone)."""
         item.state = outcome
-        parked = next((i for i, (_, p) in enumerate(self._parked) if p is item), None)
-        if parked is not None:
-            del self._parked[parked]
-        else:
-            band = self._bands[item.priority]
-            band.discard(item)
-            self._drop_if_empty(band)
+        band = self._bands[item.priority]
+        band.discard(item)
+        self._drop_if_empty(band)
         self._uncount(item)
 
     def _drop_if_empty(self, band: PriorityBand) -> None:
@@ -236,9 +232,7 @@ class FlowController:
         return saturation < settings.usage_limit
 
     def _cycle(self) -> None:
-        """Dispatch the next request that may go if the pool has room: parked requests first
-        (by priority, then turn), then the highest band with requests, its fairness policy's
-        flow, that flow's head; a request whose prefix holders are full is parked."""
+        """Dispatch the next request that may go if the pool has room (`_next_to_go`)."""
         self._cycle_scheduled = False
         if self._handoff is not None or not self.count:
             return
@@ -258,32 +252,22 @@ class FlowController:
         metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
 
     def _next_to_go(self, now: float) -> QueuedRequest | None:
-        """Take the first request in dispatch order that may go now, parking the others met on
-        the way (each request is parked once: a cycle costs the parked requests plus the ones it
-        parks)."""
+        """Take the first request that may go now: the highest band that has one, its fairness
+        policy's flow among those that have one, that flow's first by its order. Requests met on
+        the way whose prefix holders are full are parked (each is examined once, then kept in its
+        flow's parked list: a cycle costs the parked requests plus the ones it parks)."""
         room: dict[str, bool] = {}  # per holder, for this cycle
-        parked = self._parked
-        i = 0
-        while True:
-            top = self._priorities[-1] if self._priorities else None
-            if i < len(parked) and (top is None or parked[i][1].priority >= top):
-                waiting = parked[i][1]
-                if self._may_go(waiting, now, room):
-                    del parked[i]
-                    return waiting
-                i += 1
-                continue
-            if top is None:
-                return None
-            band = self._bands[top]  # bands are dropped when empty
-            item = band.pop_next()
-            assert item is not None
-            self._drop_if_empty(band)
-            if self._may_go(item, now, room):
+
+        def may_go(item: QueuedRequest) -> bool:
+            return self._may_go(item, now, room)
+
+        for priority in reversed(self._priorities):
+            band = self._bands[priority]
+            item = band.pop_next(may_go)
+            if item is not None:
+                self._drop_if_empty(band)
                 return item
-            # Parked after every parked request of its priority or higher: those are before index i.
-            bisect.insort(parked, ((-item.priority, next(self._seq)), item), key=lambda entry: entry[0])
-            i += 1
+        return None
 
     def _may_go(self, item: QueuedRequest, now: float, room: dict[str, bool]) -> bool:
         """Whether `item` may be dispatched now: nothing cached anywhere, a holder with room, or
@@ -311,7 +295,9 @@ class FlowController:
 
     def _parked_wait_ends(self) -> float:
         """When the first parked request's wait for its holders ends."""
-        return min((item.wait_until for _, item in self._parked), default=math.inf)
+        return min(
+            (item.wait_until for band in self._bands.values() for item in band.parked_requests()), default=math.inf
+        )
 
     # -- metrics ------------------------------------------------------------------------------
 
@@ -342,8 +328,8 @@ class FlowController:
 
     @property
     def parked(self) -> int:
-        """Queued requests that have had their turn and wait for a full prefix holder."""
-        return len(self._parked)
+        """Queued requests that have been examined and wait for a full prefix holder."""
+        return sum(band.parked for band in self._bands.values())
 
     def describe(self) -> dict[str, Any]:
         """Queued requests and bytes, in total and per priority band (for tests and debugging)."""

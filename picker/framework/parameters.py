@@ -141,6 +141,15 @@ class Parameters:
             raise PluginConfigError(f"{key}: must be a mapping, got {value!r}")
         return self._keep(key, value)
 
+    def mappings(self, key: str) -> tuple[Mapping[str, Any], ...]:
+        """A list of mappings (empty when absent); their contents are the caller's to check."""
+        value = self._get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            raise PluginConfigError(f"{key}: must be a list of mappings, got {value!r}")
+        return self._keep(key, tuple(value), value)
+
     def finish(self) -> dict[str, Any]:
         """Reject every parameter no accessor asked for; return the effective parameters
         (every one read, defaults included) for `Plugin.parameters`."""

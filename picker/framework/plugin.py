@@ -11,12 +11,14 @@ Order of calls for one request (`picker.requestcontrol.director.Director` runs t
    `DataProducer.prepare_async` runs first and an `AffinitySource` names the prompt's prefix
    holders, so the request can wait for one of them when dispatched (late binding).
 3. `DataProducer.prepare_async` (slow work off the event loop), then `DataProducer.prepare` for
-   every producer in dependency order, writing per-request data into the `CycleState`.
+   every producer in dependency order, writing per-request data into the `CycleState`; then
+   every `Admitter` may deny the request on that data.
 4. The scheduler: the `ProfileHandler` chooses profiles; each profile runs its Filters in order,
    then its Scorers (total = sum of clamp(score, 0, 1) * weight, not normalised), then its Picker.
 5. `PreRequest.pre_request` after the pick.
 6. `ResponseReceived` on the response headers, `ResponseStreaming` on each response chunk,
-   `ResponseComplete` once when the response has ended.
+   `ResponseMetadata` with the usage the response reported (its dynamic metadata goes back to
+   the proxy), `ResponseComplete` once when the response has ended.
 
 Scorers return one score per candidate, aligned with the candidate sequence they were given
 (a list is cheaper than a dict keyed by address, and the candidates are already ordered).
@@ -31,7 +33,10 @@ from typing import Any, ClassVar
 
 from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState, StateKey
-from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
+
+# Dynamic metadata for the proxy: namespace → key → number (Envoy's filter metadata).
+DynamicMetadata = Mapping[str, Mapping[str, float]]
 
 
 class Plugin(ABC):
@@ -63,7 +68,17 @@ class Filter(Plugin):
 
 
 class Parser(Plugin):
-    """Turns a request body into an `InferenceRequest` (the reference's request parser)."""
+    """Turns a request body into an `InferenceRequest` (the reference's request parser).
+
+    A parser whose responses are not OpenAI-style JSON sets `reads_response_usage` and reads
+    the usage of a whole (not event-stream) response body with `response_usage`.
+    """
+
+    reads_response_usage: ClassVar[bool] = False
+
+    def response_usage(self, body: bytes) -> Usage | None:
+        """The usage a whole response body reports (only asked when `reads_response_usage`)."""
+        return None
 
     @abstractmethod
     def parse(
@@ -183,6 +198,23 @@ class DataProducer(Plugin):
     ) -> None: ...
 
 
+class Admitter(Plugin):
+    """Admits or denies a request once its data is prepared, before scheduling (the
+    reference's AdmissionPlugin). A denial fails the request as the reference does: 500,
+    "request cannot be admitted"."""
+
+    @abstractmethod
+    def admit(
+        self,
+        request: InferenceRequest,
+        priority: int,
+        candidates: Sequence[EndpointState],
+        cycle_state: CycleState,
+    ) -> str | None:
+        """None to admit; else why the request is denied (logged). `priority` is the request's
+        InferenceObjective priority."""
+
+
 class PreRequest(Plugin):
     """Runs after the pick, before the request is forwarded (e.g. to record prefix ownership)."""
 
@@ -220,6 +252,21 @@ class ResponseStreaming(Plugin):
     def response_streaming(
         self, request: InferenceRequest, result: SchedulingResult, chunk: bytes, end_of_stream: bool
     ) -> None: ...
+
+
+class ResponseMetadata(Plugin):
+    """Reports values to the proxy as dynamic metadata, computed from what the response
+    reported (the reference's ResponseBody hook writing `Response.DynamicMetadata`).
+
+    Called with the usage read so far (zeros before any) on every response-body message of an
+    event-stream response, and once when any other response has ended; what it returns is set
+    on the picker's answer to that message. It must depend on `usage` alone: the director
+    calls it again only when the usage changes and reuses the last answer otherwise.
+    """
+
+    @abstractmethod
+    def response_metadata(self, request: InferenceRequest, usage: Usage) -> DynamicMetadata:
+        """Namespace → key → number to set; empty when there is nothing to report."""
 
 
 class BackgroundWork(Plugin):

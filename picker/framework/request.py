@@ -76,6 +76,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    total_tokens: int = 0  # usage.total_tokens as reported (0 when absent), not computed
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from picker.framework.parameters import Parameters, PluginConfigError
 from picker.framework.plugin import (
     Affinity,
     AffinitySource,
+    BackgroundWork,
     DataProducer,
     PreRequest,
     ResponseComplete,
@@ -76,7 +77,7 @@ from picker.telemetry.metrics import (
 )
 
 if TYPE_CHECKING:
-    from picker.state.sync import SharedIndex
+    from picker.state.sync import SharedIndex, SharedTtft
 
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
@@ -272,6 +273,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         hasher: PromptHasher,
         ttft: TtftModel,
         shared: SharedIndex | None = None,
+        shared_ttft: SharedTtft | None = None,
     ) -> None:
         super().__init__(name)
         self.config = config
@@ -279,6 +281,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         self.hasher = hasher
         self.ttft = ttft
         self.shared = shared  # --state-store: what this index learns goes to the other pickers
+        self.shared_ttft = shared_ttft  # ... and what the TTFT model learns
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ApproxPrefixCacheProducer:
@@ -314,7 +317,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-tokenize"),
             lambda executor: executor.shutdown(wait=False, cancel_futures=True),
         )
-        shared = None
+        shared = shared_ttft = None
         sync = handle.state_sync
         if sync is not None:
             shared = handle.persistent(
@@ -322,7 +325,10 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
                 lambda: sync.share_index(index_key, partial(_apply_shared, index)),
                 lambda shared: shared.close(),
             )
-        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared)
+            shared_ttft = handle.persistent(
+                f"{TTFT_MODEL_KEY}/state-sync", lambda: sync.share_ttft(ttft), lambda shared: shared.close()
+            )
+        producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared, shared_ttft)
         producer.parameters = effective
         return producer
 
@@ -404,6 +410,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         if self.config.index_responses and blocks.token_ids is not None:
             result.cycle_state[_RESPONSE_KEY] = []
         self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
+        if self.shared_ttft is not None:
+            self.shared_ttft.queued(target.address, blocks.prompt_tokens - expected)
         targets = [target]
         prefill = result.profile_results.get(PREFILL_PROFILE)
         if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
@@ -446,6 +454,8 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(cached / self.ttft.prefill_rate(address))
         if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
             self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
+            if self.shared_ttft is not None:
+                self.shared_ttft.observed(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
             result.cycle_state.explain()[OBSERVED_TTFT] = {
                 "endpoint": address,
                 "seconds": outcome.ttft_seconds,
@@ -563,7 +573,7 @@ class CacheFitScorer(ParameterlessScorer):
         return [1.0 if match.fits(c) else 0.0 for c in candidates]
 
 
-class TtftCostScorer(Scorer):
+class TtftCostScorer(Scorer, BackgroundWork):
     """`ttft-cost-scorer`: predicted time to first token, queue wait plus uncached prefill.
 
     Parameters: `prefillTokensPerSecond` (5000), `drainTokensPerSecond` (5000),
@@ -579,10 +589,21 @@ class TtftCostScorer(Scorer):
     category = ScorerCategory.BALANCE
     consumes = frozenset({PREFIX_MATCH_KEY})
 
-    def __init__(self, name: str, model: TtftModel, interference_weight: float = 0.0) -> None:
+    def __init__(
+        self, name: str, model: TtftModel, interference_weight: float = 0.0, priors: TtftPriors | None = None
+    ) -> None:
         super().__init__(name)
         self.model = model
         self.interference_weight = interference_weight
+        self.priors = priors or TtftPriors()
+
+    def start(self) -> None:
+        """The shared model takes this config's priors once the config is installed (a config
+        that fails validation after this scorer was built must leave the live model alone)."""
+        self.model.set_priors(self.priors)
+
+    async def stop(self) -> None:
+        """Nothing runs: the model's learnt rates outlive the config."""
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> TtftCostScorer:
@@ -598,8 +619,7 @@ class TtftCostScorer(Scorer):
         interference_weight = p.number("interferenceWeight", 0.0, at_least=0)
         effective = p.finish()
         model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
-        model.set_priors(priors)
-        scorer = cls(name, model, interference_weight)
+        scorer = cls(name, model, interference_weight, priors)
         scorer.parameters = effective
         return scorer
 

@@ -123,8 +123,8 @@ class TtftModel:
         only slows the queue down; an overestimate would drain the backlog at once and let every
         request herd onto the endpoint the last scrape showed idle)."""
         pool = self.pool
-        prefill = _shrunk(rates.prefill_tokens_per_second, rates.prefill_samples, pool.prefill_tokens_per_second)
-        drain = _shrunk(rates.drain_tokens_per_second, rates.drain_samples, pool.drain_tokens_per_second)
+        prefill = shrunk(rates.prefill_tokens_per_second, rates.prefill_samples, pool.prefill_tokens_per_second)
+        drain = shrunk(rates.drain_tokens_per_second, rates.drain_samples, pool.drain_tokens_per_second)
         return prefill, min(drain, prefill)
 
     def prefill_rate(self, endpoint: str) -> float:
@@ -239,7 +239,8 @@ def _work_ahead(state: EndpointState, rates: EndpointRates, drain_rate: float, n
     return max(waiting * rates.typical_prompt_tokens, _drain(rates, drain_rate, now))
 
 
-def _shrunk(own: float, samples: int, pool: float) -> float:
+def shrunk(own: float, samples: int, pool: float) -> float:
+    """An endpoint's estimate `own` from `samples` samples, shrunk towards the pool's."""
     weight = samples / (samples + POOL_SHRINK_SAMPLES)
     return weight * own + (1.0 - weight) * pool
 

@@ -50,7 +50,12 @@ def usage_from_json(value: Any) -> Usage | None:
         details = usage.get(name)
         if isinstance(details, dict) and (cached := _count(details, "cached_tokens")) is not None:
             break
-    return Usage(prompt_tokens=prompt or 0, completion_tokens=completion or 0, cached_tokens=cached or 0)
+    return Usage(
+        prompt_tokens=prompt or 0,
+        completion_tokens=completion or 0,
+        cached_tokens=cached or 0,
+        total_tokens=_count(usage, "total_tokens") or 0,
+    )
 
 
 def _count(source: dict[str, Any], *names: str) -> int | None:

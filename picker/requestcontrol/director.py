@@ -2,8 +2,8 @@
 
     parse (the config's Parser) → flow control (the gate on: wait for room) or admission
     (saturation) → prepare data (async producers, then every producer in dependency order)
-    → schedule (the profiles) → pre-request → response received → response streaming (each
-    chunk) → response complete
+    → admitters → schedule (the profiles) → pre-request → response received → response streaming (each
+    chunk) and response metadata (what goes back to the proxy) → response complete
 
 The director creates the request's `CycleState` and hands it to every hook; it counts the
 request in flight on its primary target and returns a `RoutedRequest`, which the ext_proc
@@ -26,7 +26,7 @@ from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import Affinity, AffinitySource, SchedulingResult
+from picker.framework.plugin import Affinity, DynamicMetadata, SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_SECONDS = 0.4
 # A non-streaming response body is kept (for its usage) only up to this size.
 MAX_RESPONSE_BUFFER = 4 << 20
+# What the ResponseMetadata hooks see before (or without) usage: the reference's zero Usage.
+NO_USAGE = Usage()
 
 
 def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
@@ -88,16 +90,19 @@ def schedule(runtime: Runtime, request: InferenceRequest, candidates: Sequence[E
     return runtime.scheduler.schedule(request, candidates, cycle_state, timed)
 
 
-def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: InferenceRequest, *args: Any) -> None:
-    """Call `method` on every plugin of `steps`; one failing is logged, the others still run."""
+def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: InferenceRequest, *args: Any) -> list[Any]:
+    """Call `method` on every plugin of `steps` and return what the calls returned; one
+    failing is logged (and returns nothing), the others still run."""
+    returned = []
     for step in steps:
         started = perf_counter()
         try:
-            getattr(step.plugin, method)(request, *args)
+            returned.append(getattr(step.plugin, method)(request, *args))
         except Exception:
             log.exception("%s of plugin %s failed for request %s", method, step.plugin.name, request.request_id)
         if timed:
             step.timer.done(started)
+    return returned
 
 
 def routed_fields(request: InferenceRequest, result: SchedulingResult, priority: int, seconds: float) -> dict[str, Any]:
@@ -130,10 +135,14 @@ class RoutedRequest:
 
     The ext_proc stream reports the response through `response_headers`, `response_body`,
     `response_trailers` and `finish`; the first end (or `finish`) releases the in-flight slot
-    and runs the ResponseComplete hooks, later calls do nothing.
+    and runs the ResponseComplete hooks, later calls do nothing. `response_body` and
+    `response_trailers` return the dynamic metadata the ResponseMetadata hooks report, for the
+    stream to set on its answer to that message (None: nothing to set).
     """
 
     __slots__ = (
+        "_metadata",
+        "_metadata_usage",
         "_over_cap",
         "_response_buffer",
         "_sse",
@@ -182,6 +191,8 @@ class RoutedRequest:
         self._sse: SseUsageScanner | None = None
         self._response_buffer: list[bytes] | None = None
         self._over_cap = False
+        self._metadata: dict[str, dict[str, float]] | None = None  # None: not asked yet
+        self._metadata_usage: Usage | None = None  # the usage `_metadata` was computed from
 
     @property
     def destination(self) -> str:
@@ -209,10 +220,11 @@ class RoutedRequest:
 
     def response_body(
         self, chunk: bytes, end_of_stream: bool, served: str | None = None, first_byte_at: float | None = None
-    ) -> None:
+    ) -> DynamicMetadata | None:
         """A chunk of the response body passed; usage is read from it (SSE or whole JSON).
         `first_byte_at`: when the first byte passed (`time.monotonic()`), if the transport
-        reports chunks together after the fact."""
+        reports chunks together after the fact. Returns the dynamic metadata to set on the
+        answer to this chunk, if any."""
         if self.first_byte_at is None and chunk:
             self.first_byte_at = first_byte_at or time.monotonic()
         self.response_bytes += len(chunk)
@@ -229,20 +241,56 @@ class RoutedRequest:
             else:
                 self._response_buffer.append(chunk)
                 if end_of_stream:
-                    self.usage = parse_usage(b"".join(self._response_buffer))
+                    self.usage = self._whole_body_usage()
         runtime, result, request = self.runtime, self.result, self.request
         if runtime is not None and result is not None and request is not None and runtime.response_streaming:
             _run_hooks(
                 runtime.response_streaming, "response_streaming", result.timed, request, result, chunk, end_of_stream
             )
+        metadata = None
+        if self._sse is not None:  # an event stream: asked on every chunk, as the reference does
+            metadata = self._response_metadata(self._sse.usage)
+        elif end_of_stream:  # any other response: asked once, at its end
+            metadata = self._response_metadata(self.usage)
         if end_of_stream:
             self.finish()
+        return metadata
 
-    def response_trailers(self) -> None:
-        """The response ended with trailers."""
+    def response_trailers(self) -> DynamicMetadata | None:
+        """The response ended with trailers; returns the dynamic metadata to set on the answer."""
         if self._sse is not None:
             self.usage = self._sse.usage
+        elif self._response_buffer is not None and not self.done:  # e.g. gRPC: trailers end the body
+            self.usage = self._whole_body_usage()
+        metadata = None if self.done else self._response_metadata(self.usage)
         self.finish()
+        return metadata
+
+    def _whole_body_usage(self) -> Usage | None:
+        """The usage of the buffered response body: OpenAI-style JSON, unless the config's
+        parser reads its own responses (e.g. gRPC messages)."""
+        body = b"".join(self._response_buffer or ())
+        parser = self.runtime.parser if self.runtime is not None else None
+        if parser is not None and parser.reads_response_usage:
+            return parser.response_usage(body)
+        return parse_usage(body)
+
+    def _response_metadata(self, usage: Usage | None) -> DynamicMetadata | None:
+        """What the ResponseMetadata hooks report for `usage` (zeros when None), merged by
+        namespace; asked again only when the usage changed since the last time."""
+        runtime, result, request = self.runtime, self.result, self.request
+        if runtime is None or result is None or request is None or not runtime.response_metadata:
+            return None
+        if self._metadata is None or usage is not self._metadata_usage:
+            merged: dict[str, dict[str, float]] = {}
+            reported = _run_hooks(
+                runtime.response_metadata, "response_metadata", result.timed, request, usage or NO_USAGE
+            )
+            for metadata in reported:
+                for namespace, values in metadata.items():
+                    merged.setdefault(namespace, {}).update(values)
+            self._metadata, self._metadata_usage = merged, usage
+        return self._metadata or None
 
     def finish(self, error: str | None = None) -> None:
         """Release the in-flight slot and record the outcome; later calls do nothing."""
@@ -413,7 +461,7 @@ class Director:
         self, runtime: Runtime, request: InferenceRequest, subset: Sequence[str] | None, cycle_state: CycleState
     ) -> Callable[[], Affinity | None] | None:
         """Where the request's prefix is cached, asked at dispatch time (None: no producer knows)."""
-        source = next((s.plugin for s in runtime.producers if isinstance(s.plugin, AffinitySource)), None)
+        source = runtime.affinity_source
         if source is None:
             return None
 
@@ -444,6 +492,13 @@ class Director:
             cycle_state = CycleState()
             await self._prepare_async(runtime, request, candidates, cycle_state)
         prepare(runtime, request, candidates, cycle_state, timed)
+        priority = runtime.priority(request)
+        if runtime.admitters:
+            denials = _run_hooks(runtime.admitters, "admit", timed, request, priority, candidates, cycle_state)
+            denial = next((reason for reason in denials if reason is not None), None)
+            if denial is not None:
+                log.debug("request %s not admitted: %s", request.request_id, denial)
+                raise RequestError("Internal", "request cannot be admitted")
         result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
         _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
         targets = [t.address for t in result.targets]
@@ -452,7 +507,6 @@ class Director:
         tokens = request.estimated_prompt_tokens()
         self._count(targets[0], tokens)
         series = self._model_series(request)
-        priority = runtime.priority(request)
         metrics.REQUEST_TOTAL.labels(*series.labels, str(priority)).inc()
         series.sizes.observe(request.size_bytes)
         series.running.inc()

@@ -1,15 +1,25 @@
-"""Shares what picks teach between picker processes through one Redis/Valkey stream.
+"""Shares what picks teach between picker processes through one Redis/Valkey stream: prefix-index
+inserts, each process's in-flight load, and the TTFT model's lessons.
 
 Every process appends its batches to the stream (XADD, MAXLEN ~ bounds the history) and reads
 everyone's from its last entry id (XREAD): a process that starts reads the whole retained history
 and so warms its index; one that lost the store reads on from where it stopped, replaying what it
 missed within the history. Each process skips its own batches (its origin id).
 
-The request path only appends to a bounded in-memory queue (`SharedIndex.publish`); a background
-task drains it in batches (everything queued while the previous XADD was in flight goes in the
-next one). While the store is down or slow the queue fills, the oldest inserts are dropped and
-counted (`picker_state_unpublished_inserts`), and requests are routed on local state alone: no
-request waits for the store.
+The request path only appends to a bounded in-memory queue (`SharedIndex.publish`,
+`SharedTtft`) or marks its in-flight counts changed; a background task drains it in batches
+(everything queued while the previous XADD was in flight goes in the next one). While the store
+is down or slow the queue fills, the oldest updates are dropped and counted
+(`picker_state_unpublished_inserts`), and requests are routed on local state alone: no request
+waits for the store.
+
+In-flight load goes as a whole (every endpoint's count, not a change) at most every
+`LOAD_MIN_INTERVAL_S` while it changes, and again every third of its expiry while it is not zero;
+the others add it to their own counts until it expires (`LOAD_EXPIRES_MS` after its entry was
+written, on the store's clock), so the load of a process that died vanishes within that time.
+TTFT lessons are merged by sharing the samples, not the rates: every process applies every
+observation to its model, as one process would that served all the requests. Rates merged
+instead (a mean, or the newest) would count a sample again each time a merged rate came back.
 """
 
 from __future__ import annotations
@@ -21,14 +31,24 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from picker.state.messages import BadMessageError, IndexInsert, StateBatch, decode_batch, encode_batch
+from picker.state.messages import (
+    BadMessageError,
+    EndpointInFlight,
+    IndexInsert,
+    InFlightLoad,
+    PrefillQueued,
+    StateBatch,
+    TtftObservation,
+    decode_batch,
+    encode_batch,
+)
 from picker.state.url import StoreUrl
 from picker.telemetry.metrics import (
     STATE_APPLIED_INSERTS,
@@ -52,7 +72,10 @@ IndexSink = Callable[[str, Sequence[int], int | None, bool], None]
 FIELD = b"b"  # the stream entry's one field: an encoded StateBatch
 STREAM_LENGTH = 5000  # entries the stream keeps (approximately): the history a late process replays
 MAX_PENDING_INSERTS = 10_000  # queued while the store is away; older ones are dropped, counted
-MAX_BATCH_INSERTS = 256
+MAX_BATCH_UPDATES = 256
+LOAD_MIN_INTERVAL_S = 0.01  # in-flight load goes out at most this often while it changes
+LOAD_EXPIRES_MS = 3000  # the others count it this long after its entry was written
+PREFILL_MAX_AGE_S = 1.0  # queued prefill older than this has drained: a replay skips it
 # Batches published last before the store failed are sent again once it answers: a store that
 # crashed (without persistence) lost those the others had not read yet. Inserts are idempotent.
 RESEND_BATCHES = 32
@@ -66,9 +89,31 @@ SYNCED_POLL_S = 0.05
 _STORE_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
-def stream_name(namespace: str, pool: str) -> str:
-    """The stream of one pool's pickers: replicas of other pools on the same store never mix."""
-    return f"picker:state:v1:{namespace}/{pool or '-'}"
+Update = IndexInsert | TtftObservation | PrefillQueued
+
+
+class TtftLearner(Protocol):
+    """What applies other processes' TTFT lessons (picker.prefix.ttft.TtftModel)."""
+
+    def observe(
+        self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached_tokens: int, work_ahead_tokens: float
+    ) -> None: ...
+
+    def add_backlog(self, endpoint: str, tokens: float, now: float | None = None) -> None: ...
+
+
+class _RemoteLoad(NamedTuple):
+    """Another process's in-flight load and when (monotonic) it stops counting."""
+
+    expires_at: float
+    endpoints: Sequence[EndpointInFlight]
+
+
+def stream_name(namespace: str, pool: str, key: str | None = None) -> str:
+    """The stream of one pool's pickers: replicas of other pools on the same store never mix.
+    `key` (`--state-store-key`) replaces the pool's identity: deployments with static endpoints
+    have none, so two of them on one store would share a stream without it."""
+    return f"picker:state:v1:{key}" if key else f"picker:state:v1:{namespace}/{pool or '-'}"
 
 
 class _Backoff:
@@ -103,6 +148,29 @@ class SharedIndex:
         self._sync.unshare(self.name)
 
 
+class SharedTtft:
+    """The TTFT model's link to the store (from `StateSync.share_ttft`)."""
+
+    __slots__ = ("_sync",)
+
+    def __init__(self, sync: StateSync) -> None:
+        self._sync = sync
+
+    def observed(
+        self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached_tokens: int, work_ahead_tokens: float
+    ) -> None:
+        """Queue a response's lesson for the other processes: no I/O, never blocks."""
+        self._sync.enqueue(TtftObservation(endpoint, ttft_seconds, prompt_tokens, cached_tokens, work_ahead_tokens))
+
+    def queued(self, endpoint: str, tokens: float) -> None:
+        """Queue a pick's uncached prompt tokens at `endpoint` for the others' backlog."""
+        self._sync.enqueue(PrefillQueued(endpoint, tokens))
+
+    def close(self) -> None:
+        """Stop applying other processes' TTFT lessons (the model is gone)."""
+        self._sync.unshare_ttft()
+
+
 class StateSync:
     """This process's publisher to and reader of the shared state stream."""
 
@@ -115,12 +183,14 @@ class StateSync:
         password: str | None = None,
         stream_length: int = STREAM_LENGTH,
         max_pending: int = MAX_PENDING_INSERTS,
+        load_expires_ms: int = LOAD_EXPIRES_MS,
     ) -> None:
         self.url = url
         self.stream = stream
         self.datastore = datastore
         self.stream_length = stream_length
         self.max_pending = max_pending
+        self.load_expires_ms = load_expires_ms
         self.origin = uuid.uuid4().hex
         # Retries are this class's (with backoff, in the background), not the client's.
         self._client = aioredis.Redis(
@@ -136,7 +206,8 @@ class StateSync:
             client_name=f"picker-{self.origin[:12]}",
         )
         self._sinks: dict[str, IndexSink] = {}
-        self._pending: deque[IndexInsert] = deque()
+        self._ttft: TtftLearner | None = None
+        self._pending: deque[Update] = deque()
         self._wake = asyncio.Event()
         self._unsent: tuple[bytes, int] | None = None  # a batch whose XADD failed: sent again as is
         self._recent: deque[Sequence[IndexInsert]] = deque(maxlen=RESEND_BATCHES)  # published last
@@ -148,16 +219,27 @@ class StateSync:
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
         self.last_id = b"0-0"  # the last stream entry read
+        self._load_changed = False  # this process's in-flight counts changed since last sent
+        self._load_sent_at = float("-inf")  # monotonic
+        self._load_nonzero = False  # the last load sent was not zero: it is refreshed
+        self._remote_loads: dict[str, _RemoteLoad] = {}  # per origin
+        self._store_clock_offset: float | None = None  # the store's wall clock minus ours, seconds
+        datastore.in_flight_listener = self._in_flight_changed
 
     # -- the request path ------------------------------------------------------------------
 
-    def enqueue(self, insert: IndexInsert) -> None:
+    def enqueue(self, update: Update) -> None:
         pending = self._pending
         if len(pending) >= self.max_pending:
             pending.popleft()
             STATE_UNPUBLISHED_INSERTS.inc()
-        pending.append(insert)
+        pending.append(update)
         self._wake.set()
+
+    def _in_flight_changed(self) -> None:
+        if not self._load_changed:
+            self._load_changed = True
+            self._wake.set()
 
     # -- indexes ---------------------------------------------------------------------------
 
@@ -169,9 +251,17 @@ class StateSync:
     def unshare(self, name: str) -> None:
         self._sinks.pop(name, None)
 
+    def share_ttft(self, learner: TtftLearner) -> SharedTtft:
+        """Publish what the TTFT model learns; apply other processes' lessons to `learner`."""
+        self._ttft = learner
+        return SharedTtft(self)
+
+    def unshare_ttft(self) -> None:
+        self._ttft = None
+
     @property
     def pending(self) -> int:
-        """Inserts queued, not yet published."""
+        """Updates queued, not yet published."""
         return len(self._pending) + (self._unsent[1] if self._unsent else 0)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -195,6 +285,8 @@ class StateSync:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
+        if self.datastore.in_flight_listener == self._in_flight_changed:
+            self.datastore.in_flight_listener = None
         await self._client.aclose()
 
     # -- background ------------------------------------------------------------------------
@@ -204,10 +296,19 @@ class StateSync:
         pending = self._pending
         while await self._work_to_send():
             if self._unsent is None:
-                inserts = [pending.popleft() for _ in range(min(len(pending), MAX_BATCH_INSERTS))]
+                updates = [pending.popleft() for _ in range(min(len(pending), MAX_BATCH_UPDATES))]
+                inserts = [u for u in updates if isinstance(u, IndexInsert)]
                 self._recent.append(inserts)
                 self._sequence += 1
-                self._unsent = (encode_batch(StateBatch(self.origin, self._sequence, inserts)), len(inserts))
+                batch = StateBatch(
+                    self.origin,
+                    self._sequence,
+                    inserts,
+                    self._load_report() if self._load_wait(time.monotonic()) == 0.0 else None,
+                    [u for u in updates if isinstance(u, TtftObservation)],
+                    [u for u in updates if isinstance(u, PrefillQueued)],
+                )
+                self._unsent = (encode_batch(batch), len(inserts))
             data, count = self._unsent
             try:
                 await self._client.xadd(self.stream, {FIELD: data}, maxlen=self.stream_length, approximate=True)
@@ -234,11 +335,34 @@ class StateSync:
             self._pending.extendleft(reversed(again[-room:]))
 
     async def _work_to_send(self) -> bool:
-        """Wait for inserts (or a batch to send again); False once stopping."""
-        while not self._pending and self._unsent is None and self._running:
+        """Wait for updates, a batch to send again or the in-flight load due; False once stopping."""
+        while self._running and not self._pending and self._unsent is None:
+            wait = self._load_wait(time.monotonic())
+            if wait == 0.0:
+                break
             self._wake.clear()
-            await self._wake.wait()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
         return self._running
+
+    def _load_wait(self, now: float) -> float | None:
+        """Seconds until the in-flight load is due (0: now), None while nothing is to send."""
+        due = []
+        if self._load_changed:
+            due.append(self._load_sent_at + LOAD_MIN_INTERVAL_S)
+        if self._load_nonzero:
+            due.append(self._load_sent_at + self.load_expires_ms / 3000)
+        return max(0.0, min(due) - now) if due else None
+
+    def _load_report(self) -> InFlightLoad:
+        endpoints = tuple(EndpointInFlight(*entry) for entry in self.datastore.local_in_flight())
+        self._load_changed = False
+        self._load_sent_at = time.monotonic()
+        self._load_nonzero = bool(endpoints)
+        return InFlightLoad(endpoints, self.load_expires_ms)
 
     async def _read_loop(self) -> None:
         # Apply nothing before the pool is known: inserts for endpoints not (yet) in it are skipped.
@@ -246,12 +370,17 @@ class StateSync:
             await asyncio.sleep(SYNCED_POLL_S)
         backoff = _Backoff()
         while self._running:
+            self._expire_loads()
             try:
+                if self._store_clock_offset is None:
+                    seconds, micros = await self._client.time()
+                    self._store_clock_offset = seconds + micros / 1e6 - time.time()
                 reply: Any = await self._client.xread(
                     {self.stream: self.last_id}, count=READ_COUNT, block=READ_BLOCK_MS
                 )
             except _STORE_ERRORS as error:
                 self._failed("read", error)
+                self._store_clock_offset = None  # the store may come back elsewhere
                 await backoff.wait()
                 continue
             self._answered("read")
@@ -259,10 +388,16 @@ class StateSync:
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     self.last_id = entry_id
-                    self._apply(fields.get(FIELD) if isinstance(fields, dict) else None)
+                    self._apply(fields.get(FIELD) if isinstance(fields, dict) else None, self._entry_age(entry_id))
             await asyncio.sleep(0)  # a long replay leaves room for requests between reads
 
-    def _apply(self, data: bytes | None) -> None:
+    def _entry_age(self, entry_id: bytes) -> float:
+        """Seconds since the store wrote the entry `entry_id` (its id starts with the store's
+        clock in ms: no clock of another host is trusted)."""
+        written_ms = int(entry_id.split(b"-", 1)[0])
+        return time.time() + (self._store_clock_offset or 0.0) - written_ms / 1000
+
+    def _apply(self, data: bytes | None, age: float = 0.0) -> None:
         if not isinstance(data, bytes):
             STATE_BAD_MESSAGES.inc()
             return
@@ -290,6 +425,42 @@ class StateSync:
         STATE_APPLIED_INSERTS.inc(applied)
         if skipped:
             STATE_SKIPPED_INSERTS.inc(skipped)
+        if batch.in_flight is not None:
+            self._apply_load(batch.origin, batch.in_flight, age)
+        ttft = self._ttft
+        if ttft is not None:
+            for o in batch.observations:
+                if known(o.endpoint) is not None:
+                    ttft.observe(o.endpoint, o.ttft_seconds, o.prompt_tokens, o.cached_tokens, o.work_ahead_tokens)
+            if age < PREFILL_MAX_AGE_S:
+                for p in batch.prefills:
+                    if known(p.endpoint) is not None:
+                        ttft.add_backlog(p.endpoint, p.tokens)
+
+    def _apply_load(self, origin: str, load: InFlightLoad, age: float) -> None:
+        left = load.expires_ms / 1000 - age
+        if left > 0:
+            self._remote_loads[origin] = _RemoteLoad(time.monotonic() + left, load.endpoints)
+        elif self._remote_loads.pop(origin, None) is None:
+            return  # an expired report (a replay) of a process not counted
+        self._sum_remote_loads()
+
+    def _expire_loads(self) -> None:
+        now = time.monotonic()
+        expired = [origin for origin, load in self._remote_loads.items() if load.expires_at <= now]
+        if expired:
+            for origin in expired:
+                del self._remote_loads[origin]
+            self._sum_remote_loads()
+
+    def _sum_remote_loads(self) -> None:
+        requests: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        for load in self._remote_loads.values():
+            for e in load.endpoints:
+                requests[e.endpoint] = requests.get(e.endpoint, 0) + e.requests
+                tokens[e.endpoint] = tokens.get(e.endpoint, 0) + e.tokens
+        self.datastore.set_remote_in_flight(requests, tokens)
 
     def _failed(self, operation: str, error: BaseException) -> None:
         STATE_STORE_ERRORS.labels(operation).inc()

@@ -1,14 +1,16 @@
 """`--state-store`: where the shared state lives, `redis://[user:pass@]host:port[/db]` or
-`rediss://` for TLS."""
+`rediss://` for TLS; `--state-store-key`: which of the state it holds is this picker's."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 SCHEMES = ("redis", "rediss")
 FORMAT = "redis://[user:pass@]host:port[/db] (or rediss:// for TLS)"
 DEFAULT_PORT = 6379
+_KEY = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +60,10 @@ def parse_store_url(text: str) -> StoreUrl:
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password is not None else None,
     )
+
+
+def parse_store_key(text: str) -> str:
+    """Check a `--state-store-key`; ValueError says what is wrong with it."""
+    if not _KEY.fullmatch(text):
+        raise ValueError(f"expected 1 to 200 letters, digits and . _ : / -, got {text!r}")
+    return text

@@ -281,7 +281,8 @@ STATE_PUBLISHED_INSERTS = Counter(
 )
 STATE_UNPUBLISHED_INSERTS = Counter(
     "picker_state_unpublished_inserts",
-    "Prefix-index inserts dropped unpublished: the pending buffer was full while the state store was down or slow.",
+    "Updates (prefix-index inserts, TTFT lessons) dropped unpublished: the pending buffer was full while"
+    " the state store was down or slow.",
 )
 STATE_APPLIED_INSERTS = Counter(
     "picker_state_applied_inserts", "Prefix-index inserts from other picker processes applied to the local index."

@@ -15,6 +15,7 @@ import yaml
 from kubernetes import client
 
 from picker.bench.kube_resources import create_namespace
+from picker.config.loader import build, parse_text
 from tests.e2e.charts import (
     by_kind,
     chart_image,
@@ -444,6 +445,27 @@ def test_default_config_is_the_reference_one_with_the_data_layer_values(helm_bin
         assert shown["parser"] == {"pluginRef": parser or "openai-parser"}  # picker's default parser
 
 
+def test_the_latency_predictor_values_give_the_reference_charts_latency_config(helm_binary, helm_env, tmp_path) -> None:
+    """`latencyPredictor.enabled` renders the config the reference chart renders for it
+    (tests/data/reference_configs/chart-latency-predictor.yaml), with the same meaning, and
+    deploys no sidecar."""
+    docs = picker_docs(helm_binary, helm_env, tmp_path, {"inferenceExtension": {"latencyPredictor": {"enabled": True}}})
+    rendered = one(docs, "ConfigMap")["data"]["default-plugins.yaml"]
+    reference = Path(__file__).parents[1] / "data" / "reference_configs" / "chart-latency-predictor.yaml"
+    assert build(parse_text(rendered)).config == build(parse_text(reference.read_text())).config
+    assert [c["name"] for c in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]] == ["epp"]
+
+
+def test_the_grpc_protocol_values_give_the_reference_charts_grpc_config(helm_binary, helm_env, tmp_path) -> None:
+    """`modelServerProtocol: grpc` renders the config the reference chart renders for vLLM's
+    gRPC API (tests/data/reference_configs/chart-grpc.yaml) and an h2c pool, as the reference."""
+    docs = picker_docs(helm_binary, helm_env, tmp_path, {"inferencePool": {"modelServerProtocol": "grpc"}})
+    rendered = one(docs, "ConfigMap")["data"]["default-plugins.yaml"]
+    reference = Path(__file__).parents[1] / "data" / "reference_configs" / "chart-grpc.yaml"
+    assert build(parse_text(rendered)).config == build(parse_text(reference.read_text())).config
+    assert one(docs, "InferencePool")["spec"]["appProtocol"] == "kubernetes.io/h2c"
+
+
 def test_tracing_sets_the_standard_otel_variables(helm_binary, helm_env, tmp_path) -> None:
     values = {"inferenceExtension": {"tracing": {"enabled": True, "otelExporterEndpoint": "http://collector:4317"}}}
     docs = picker_docs(helm_binary, helm_env, tmp_path, values)
@@ -529,8 +551,6 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
         ({"inferenceExtension": {"configSource": "etcd"}}, "configSource"),
         ({"inferenceExtension": {"pluginsConfigFile": "missing.yaml"}}, "pluginsCustomConfig"),
         ({"inferenceExtension": {"bogus": 1}}, "bogus"),
-        ({"inferenceExtension": {"latencyPredictor": {"enabled": True}}}, "picker has no latency predictor"),
-        ({"inferencePool": {"modelServerProtocol": "grpc"}}, "picker parses OpenAI HTTP requests only"),
         ({"inferencePool": {"modelServerType": "tgi"}}, "modelServerType"),
         ({"inferencePool": {"targetPortNumber": 8001}}, "targetPortNumber (8001"),
         ({"inferenceExtension": {"sidecar": {"enabled": True, "name": "proxy"}}}, "name and image are required"),

@@ -141,3 +141,19 @@ def test_a_system_that_cannot_start_is_reported_and_cleaned_up(tmp_path: Path) -
     assert "Traceback" not in output
     pids = started_pids(tmp_path / "out")
     assert len(pids) == 2 and alive_in_groups(pids) == []  # the fleet was started, and stopped
+
+
+def test_picker_replicas_behind_one_envoy_with_a_shared_store(tmp_path: Path) -> None:
+    proc = bench(tmp_path, "--systems", "picker@2+store", "--duration", "3")
+    output = finish(proc, 120)
+    assert proc.returncode == 0, output
+    system = json.loads((tmp_path / "results.json").read_text())["systems"]["picker@2+store"]
+    assert system["requests"] > 10 and system["errors"] == 0, system
+    assert system["decision_time"]["count"] >= system["requests"]  # both replicas' pages, summed
+    names = [line.split()[1] for line in (tmp_path / "pids").read_text().splitlines()]
+    assert names == ["sim-0-picker", "redis-0-picker", "picker-0-picker-0", "picker-0-picker-1", "envoy-0-picker"]
+    for n in range(2):  # each replica shared its state through the system's own redis-server
+        assert (
+            "sharing state through redis://127.0.0.1:" in (tmp_path / "logs" / f"picker-0-picker-{n}.log").read_text()
+        )
+    assert alive_in_groups(started_pids(tmp_path)) == []

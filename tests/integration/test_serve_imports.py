@@ -18,7 +18,18 @@ from picker.bench.process import ManagedProcess, free_port, port_open
 from tests.stack import serving
 
 # Top-level packages a static-endpoints picker never needs.
-HEAVY = ("kubernetes", "transformers", "tokenizers", "jinja2", "opentelemetry", "matplotlib", "numpy", "torch")
+HEAVY = (
+    "kubernetes",
+    "transformers",
+    "tokenizers",
+    "jinja2",
+    "opentelemetry",
+    "matplotlib",
+    "numpy",
+    "torch",
+    "cel_expr_python",  # request-attribute-reporter's CEL
+    "smg_grpc_proto",  # vllmgrpc-parser's messages
+)
 
 # `python -m picker.cli ARGS` that writes its sys.modules to the file named by argv[1] at exit.
 _RUN_RECORDING_MODULES = """

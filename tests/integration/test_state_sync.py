@@ -1,5 +1,5 @@
 """State sync through a real redis-server, in process: two or three `StateSync`s (each a picker
-process's) with their own datastore and prefix index share one stream."""
+process's) with their own datastore, prefix index and TTFT model share one stream."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import redis.asyncio as aioredis
 from picker.datastore.store import Datastore
 from picker.discovery.static import parse_endpoint_flag
 from picker.prefix.index import PrefixIndex
-from picker.state.sync import SharedIndex, StateSync, stream_name
+from picker.prefix.ttft import TtftModel
+from picker.state.messages import decode_batch
+from picker.state.sync import SharedIndex, SharedTtft, StateSync, stream_name
 from picker.state.url import parse_store_url
 from picker.telemetry import metrics
 from tests.redis_server import RedisServer, start_redis
@@ -39,11 +41,22 @@ class Process:
         self.index = PrefixIndex()
         self.sync = StateSync(parse_store_url(url), stream, self.datastore, **options)
         self.shared: SharedIndex = self.sync.share_index(INDEX, self.index.insert)
+        self.ttft = TtftModel()
+        self.shared_ttft: SharedTtft = self.sync.share_ttft(self.ttft)
 
     def pick(self, endpoint: str, hashes: list[int]) -> None:
         """What the producer does after a pick: insert locally, publish."""
         self.index.insert(endpoint, hashes)
         self.shared.publish(endpoint, hashes, None, True)
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per endpoint as this process's scheduler sees them."""
+        return {state.address: state.in_flight_requests for state in self.datastore.snapshot()}
+
+    def learn(self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached: int, work_ahead: float) -> None:
+        """What the producer does when a response ends: learn locally, publish."""
+        self.ttft.observe(endpoint, ttft_seconds, prompt_tokens, cached, work_ahead)
+        self.shared_ttft.observed(endpoint, ttft_seconds, prompt_tokens, cached, work_ahead)
 
 
 @pytest.fixture
@@ -164,5 +177,104 @@ async def test_store_down_drops_nothing_it_can_keep_then_resynchronises(
         print(f"resynchronised {took:.3f}s after the store came back ({time.monotonic() - back:.3f}s)")
         assert all(b.index.match([100 + n]) == {ENDPOINTS[1]: 1} for n in range(50, 150))
         assert counter(metrics.STATE_STORE_CONNECTED) == 1
+    finally:
+        restarted.stop()
+
+
+async def test_in_flight_counts_are_added_to_the_others_and_released(processes: Callable[..., Process]) -> None:
+    a, b, c = processes(), processes(), processes()
+    await until(lambda: counter(metrics.STATE_STORE_CONNECTED) == 1, 5, "the store")
+    for _ in range(3):
+        a.datastore.acquire(ENDPOINTS[0], 100)
+    b.datastore.acquire(ENDPOINTS[0], 10)
+    b.datastore.acquire(ENDPOINTS[1], 20)
+    took = await until(lambda: c.in_flight() == {ENDPOINTS[0]: 4, ENDPOINTS[1]: 1}, 5, "c to count a's and b's")
+    assert took < 0.5, took
+    assert a.in_flight() == {ENDPOINTS[0]: 4, ENDPOINTS[1]: 1}  # its own plus b's
+    assert [s.in_flight_tokens for s in c.datastore.snapshot()] == [310, 20]
+    assert c.datastore.in_flight(ENDPOINTS[0]) == 0  # its own count (its metric) stays its own
+    for _ in range(3):
+        a.datastore.release(ENDPOINTS[0], 100)
+    await until(lambda: c.in_flight() == {ENDPOINTS[0]: 1, ENDPOINTS[1]: 1}, 5, "c to see a's releases")
+
+
+async def load_reports_span(redis_server: RedisServer, origin: str) -> float:
+    """Seconds between the first and the last in-flight report of `origin` in the stream."""
+    client = aioredis.Redis(port=redis_server.port)
+    try:
+        entries = await client.xrange(stream_name("ns", "pool"))
+    finally:
+        await client.aclose()
+    written = [
+        int(entry_id.split(b"-")[0]) / 1000
+        for entry_id, fields in entries
+        if (batch := decode_batch(fields[b"b"])).origin == origin and batch.in_flight is not None
+    ]
+    return written[-1] - written[0] if written else 0.0
+
+
+async def test_a_dead_process_s_in_flight_counts_expire(
+    redis_server: RedisServer, processes: Callable[..., Process]
+) -> None:
+    a, b = processes(load_expires_ms=600), processes()
+    for _ in range(2):
+        a.datastore.acquire(ENDPOINTS[1], 50)
+    await until(lambda: b.in_flight()[ENDPOINTS[1]] == 2, 5, "b to count a's requests")
+    # a refreshes a load that is not zero before it expires: it stays counted past its expiry
+    deadline = time.monotonic() + 5
+    while await load_reports_span(redis_server, a.sync.origin) < 1.2:
+        assert b.in_flight()[ENDPOINTS[1]] == 2
+        assert time.monotonic() < deadline, "a stopped refreshing its load"
+        await asyncio.sleep(0.05)
+    assert b.in_flight()[ENDPOINTS[1]] == 2
+    await a.sync.stop()  # dies with its requests in flight: nothing says they ended
+    took = await until(lambda: b.in_flight()[ENDPOINTS[1]] == 0, 5, "a's load to expire at b")
+    assert took < 0.6 + 1.5, took  # the expiry, plus b's read wait (1 s) at most
+    late = processes()
+    await until(lambda: late.sync.last_id == b.sync.last_id, 5, "the late process to replay the stream")
+    assert late.in_flight() == {ENDPOINTS[0]: 0, ENDPOINTS[1]: 0}  # a's old reports had expired
+
+
+async def test_every_process_learns_every_ttft_observation(processes: Callable[..., Process]) -> None:
+    a, b = processes(), processes()
+    await until(lambda: counter(metrics.STATE_STORE_CONNECTED) == 1, 5, "the store")
+    for n in range(10):  # prefill samples (no queue ahead): 2,000 tokens in 0.2 s, 10,000 tokens/s
+        a.learn(ENDPOINTS[0], 0.21, 2000 + n, 0, 0.0)
+    b.learn(ENDPOINTS[1], 0.11, 1000, 0, 0.0)
+    await until(lambda: b.ttft.rates(ENDPOINTS[0]).prefill_samples == 10, 5, "b to learn a's samples")
+    await until(lambda: a.ttft.rates(ENDPOINTS[1]).prefill_samples == 1, 5, "a to learn b's sample")
+    # the same samples make the same model: both route as one that served all the requests would
+    # (within 0.1%: each applies its own samples first, so the EWMA saw them in another order)
+    for endpoint in ENDPOINTS:
+        assert a.ttft.prefill_rate(endpoint) == pytest.approx(b.ttft.prefill_rate(endpoint), rel=1e-3)
+    assert a.ttft.pool.prefill_samples == b.ttft.pool.prefill_samples == 11
+    assert a.ttft.prefill_rate(ENDPOINTS[0]) > 2 * TtftModel().prefill_rate(ENDPOINTS[0])
+    late = processes()
+    await until(lambda: late.ttft.pool.prefill_samples == 11, 5, "the late process to learn from the stream")
+
+
+async def test_queued_prefill_reaches_the_others_backlog(processes: Callable[..., Process]) -> None:
+    a, b = processes(), processes()
+    await until(lambda: counter(metrics.STATE_STORE_CONNECTED) == 1, 5, "the store")
+    a.ttft.add_backlog(ENDPOINTS[1], 40_000)
+    a.shared_ttft.queued(ENDPOINTS[1], 40_000)
+    # 40,000 tokens drain at the prior 5,000 tokens/s: b still sees most of them
+    await until(lambda: b.ttft.backlog(ENDPOINTS[1]) > 30_000, 5, "b to add a's queued prefill")
+    assert b.ttft.backlog(ENDPOINTS[0]) == 0
+
+
+async def test_while_the_store_is_down_the_others_counts_expire_and_come_back_after(
+    redis_server: RedisServer, processes: Callable[..., Process], tmp_path: Path
+) -> None:
+    a, b = processes(load_expires_ms=600), processes(load_expires_ms=600)
+    a.datastore.acquire(ENDPOINTS[0], 10)
+    await until(lambda: b.in_flight()[ENDPOINTS[0]] == 1, 5, "b to count a's request")
+    redis_server.kill()
+    # b hears nothing more from a: it routes on its own counts once a's report has expired
+    await until(lambda: b.in_flight()[ENDPOINTS[0]] == 0, 5, "a's report to expire at b")
+    restarted = start_redis(tmp_path, "redis-restarted", port=redis_server.port)
+    try:
+        # a refreshes its report (still not zero) once the store answers
+        await until(lambda: b.in_flight()[ENDPOINTS[0]] == 1, 10, "a's report to come back")
     finally:
         restarted.stop()

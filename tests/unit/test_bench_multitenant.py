@@ -88,6 +88,10 @@ def test_per_tenant_numbers_split_latency_goodput_and_each_kind_of_rejection(tmp
     assert quiet.ttft_p50_s == pytest.approx(0.2) and quiet.e2e_p90_s == pytest.approx(1.28)
     assert quiet.goodput_tokens_per_s == pytest.approx(20 / summary.wall_s)
     assert sum(t.goodput_tokens_per_s for t in summary.tenants) == pytest.approx(summary.output_tokens_per_s)
+    # Answered by the last arrival (2.0 s): quiet's first (done at 1.1 s) and noisy's (at 3.5 s: no).
+    assert summary.arrival_window_tokens_per_s == pytest.approx(10 / 2.0)
+    # Decoding by 2.0 s (first token to last): quiet 0.1-1.1 and 1.3-2.0, the others after: 1.7 s of 2.
+    assert summary.arrival_window_pods_decoding == pytest.approx(1.7 / 2.0)
 
     bench = report.BenchReport("multi-tenant", 0.5, {"objectives": workloads.TENANT_OBJECTIVES})
     bench.systems["picker:rr"] = summary
@@ -97,6 +101,8 @@ def test_per_tenant_numbers_split_latency_goodput_and_each_kind_of_rejection(tmp
     assert "| picker:rr | noisy | standard (0) | 4 | 1 |" in markdown
     terminal = report.terminal_table(bench)
     assert "goodput tok/s" in terminal and "critical (10)" in terminal
+    assert "while requests arrive, out tok/s (pods decoding): picker:rr 5 (0.85)" in terminal
+    assert "from the first arrival to the last" in markdown and "picker:rr 5 (0.85)." in markdown
 
     plain = dataclasses.replace(summary, tenants=())
     bench.systems["picker:rr"] = plain

@@ -138,12 +138,22 @@ def test_parse_systems() -> None:
     )
     assert [s.kind for s in specs] == ["round-robin", "picker", "sglang-cache-aware", "external"]
     assert specs[1].config_file == Path("/x.yaml") and specs[3].url == "http://10.0.0.1:80"
+    assert (specs[1].replicas, specs[1].shared_state) == (1, False)
+    replicated = parse_systems(["picker@3", "picker:approx@3+store", "picker:approx@2"], {"approx": Path("/x.yaml")})
+    assert [(s.name, s.config_file, s.replicas, s.shared_state) for s in replicated] == [
+        ("picker@3", None, 3, False),
+        ("picker:approx@3+store", Path("/x.yaml"), 3, True),
+        ("picker:approx@2", Path("/x.yaml"), 2, False),
+    ]
     for bad, message in [
         (["nginx"], "unknown system"),
         (["picker:nolabel"], "no --picker-config"),
         (["external:ftp://x"], "need a URL"),
         (["round-robin:3"], "take an argument"),
         (["round-robin", "round-robin"], "named twice"),
+        (["round-robin@3"], "only picker systems"),
+        (["picker@0"], "replicas must be 1 to 16"),
+        (["picker:nolabel@3+store"], "no --picker-config"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_systems(bad, {})

@@ -142,9 +142,9 @@ def test_every_reference_type_is_known_or_refused_with_its_reason() -> None:
     for plugin_type in reference_types:
         assert (REGISTRY.lookup(plugin_type) is None) == (plugin_type in UNSUPPORTED_REFERENCE_TYPES), plugin_type
     assert set(UNSUPPORTED_REFERENCE_TYPES) <= reference_types
-    assert errors_of("plugins: [{type: queue-scorer}, {name: x, type: latency-scorer}]\n") == [
-        'plugins[1].type: the picker does not support the reference type "latency-scorer": '
-        + UNSUPPORTED_REFERENCE_TYPES["latency-scorer"]
+    assert errors_of("plugins: [{type: queue-scorer}, {name: x, type: predicted-latency-scorer}]\n") == [
+        'plugins[1].type: the picker does not support the reference type "predicted-latency-scorer": '
+        + UNSUPPORTED_REFERENCE_TYPES["predicted-latency-scorer"]
     ]
 
 

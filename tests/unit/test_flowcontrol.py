@@ -7,7 +7,10 @@ import asyncio
 import math
 from collections.abc import Mapping
 
+import hypothesis
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from picker.config.flowcontrol import DEFAULT_BAND_MAX_BYTES, flow_control_settings
 from picker.config.loader import build, parse_text
@@ -233,3 +236,79 @@ async def test_a_reload_reorders_queued_requests_under_the_new_policies() -> Non
     band.apply(BandSettings(0, 0, ROUND_ROBIN, SloDeadlineOrderingPolicy("slo")))
     assert band.pop_next() is second  # the tighter SLO now goes first; nothing was lost
     assert band.pop_next() is first and band.count == 0
+
+
+async def test_a_reload_reorders_parked_requests_too_and_a_parked_request_can_leave() -> None:
+    band = PriorityBand(0, BandSettings(0, 0, STRICT, FCFS))
+    first = item(1.0, headers={"x-slo-ttft-ms": "9000"})
+    second = item(2.0, headers={"x-slo-ttft-ms": "10"})
+    gone = item(3.0)
+    for seq, queued in enumerate((first, second, gone)):
+        band.add(queued, seq)
+    assert band.pop_next(lambda _: False) is None and band.parked == 3  # all wait for a full holder
+    gone.state = Outcome.EVICTED_CANCELLED
+    band.discard(gone)
+    assert band.parked == 2 and band.count == 2
+    band.apply(BandSettings(0, 0, ROUND_ROBIN, SloDeadlineOrderingPolicy("slo")))
+    assert band.pop_next() is second and band.pop_next() is first
+    assert band.count == 0 and band.flows == {}
+
+
+OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.tuples(st.sampled_from("ab"), st.integers(0, 30))),  # flow, SLO seconds
+        st.tuples(st.just("pop"), st.integers(0, 2**12 - 1)),  # bit i: the i-th live request may not go
+        st.tuples(st.just("leave"), st.integers(0, 11)),
+    ),
+    max_size=60,
+)
+
+
+@hypothesis.settings(max_examples=500, deadline=None)
+@given(operations=OPERATIONS, round_robin=st.booleans())
+# A request due before one already parked, both held, then free: the earlier due goes first.
+@hypothesis.example([("add", ("a", 30)), ("pop", 1), ("add", ("a", 0)), ("pop", 3), ("pop", 0)], False)
+def test_a_band_takes_by_fairness_among_flows_that_have_a_request_that_may_go(
+    operations: list[tuple[str, object]], round_robin: bool
+) -> None:
+    """Against a plain model: the flow is the policy's among the flows with a request that may go
+    (round-robin: the first such after the last served; global-strict: the one whose such request
+    is due first), the request that flow's first due that may go; parking is invisible. Requests
+    are ordered by SLO deadline, which later arrivals may beat."""
+    loop = asyncio.new_event_loop()
+    ordering = SloDeadlineOrderingPolicy("slo")
+    try:
+        band = PriorityBand(0, BandSettings(0, 0, ROUND_ROBIN if round_robin else STRICT, ordering))
+        live: list[QueuedRequest] = []  # in deadline order
+        last: str | None = None
+        for seq, (op, arg) in enumerate(operations):
+            if op == "add":
+                flow, slo = arg  # type: ignore[misc]
+                headers = {"x-slo-ttft-ms": str(slo * 1000 + seq)}  # no two deadlines alike
+                queued = QueuedRequest(request(flow, headers=headers), 0, None, seq, seq, loop.create_future())
+                band.add(queued, seq)
+                live.append(queued)
+                live.sort(key=ordering.key)
+            elif op == "leave" and live:
+                gone = live.pop(int(arg) % len(live))  # type: ignore[call-overload]
+                gone.state = Outcome.EVICTED_TTL
+                band.discard(gone)
+            elif op == "pop":
+                held = {id(q) for i, q in enumerate(live) if int(arg) >> i & 1}  # type: ignore[call-overload]
+                ready = [q for q in live if id(q) not in held]
+                expected: QueuedRequest | None = None
+                if ready and round_robin:
+                    flows = sorted({q.fairness_id for q in ready})
+                    after = [f for f in flows if last is None or f > last]
+                    flow = (after or flows)[0]
+                    expected = next(q for q in ready if q.fairness_id == flow)
+                elif ready:
+                    expected = ready[0]
+                taken = band.pop_next(lambda q: id(q) not in held)
+                assert taken is expected
+                if taken is not None:
+                    live.remove(taken)
+                    last = taken.fairness_id
+            assert band.count == len(live) and band.parked <= len(live)
+    finally:
+        loop.close()

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 import pytest
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import build, parse_text
+from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
-from picker.flowcontrol.policies import FcfsOrderingPolicy, RoundRobinFairnessPolicy
+from picker.flowcontrol.policies import (
+    SLO_TTFT_HEADER,
+    FcfsOrderingPolicy,
+    RoundRobinFairnessPolicy,
+    SloDeadlineOrderingPolicy,
+)
 from picker.flowcontrol.settings import DEFAULT_MAX_AFFINITY_WAIT, BandSettings, FlowControlSettings
 from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
@@ -31,8 +38,10 @@ def settings(max_affinity_wait: float = 60.0, fairness: object = None) -> FlowCo
     return FlowControlSettings(0, 0, None, 1.0, band, max_affinity_wait=max_affinity_wait)
 
 
-def request(fairness_id: str = "f") -> InferenceRequest:
-    return InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text="x", fairness_id=fairness_id, size_bytes=10)
+def request(fairness_id: str = "f", headers: Mapping[str, str] | None = None) -> InferenceRequest:
+    return InferenceRequest(
+        "r", Api.COMPLETIONS, "m", "m", prompt_text="x", fairness_id=fairness_id, size_bytes=10, headers=headers or {}
+    )
 
 
 class Pool:
@@ -60,14 +69,19 @@ class Client:
         self.asked: list[str] = []
 
     def send(
-        self, name: str, affinity: Affinity | None, priority: int = 0, fairness_id: str = "f"
+        self,
+        name: str,
+        affinity: Affinity | None,
+        priority: int = 0,
+        fairness_id: str = "f",
+        headers: Mapping[str, str] | None = None,
     ) -> asyncio.Task[None]:
         def lookup() -> Affinity | None:
             self.asked.append(name)
             return affinity
 
         async def one() -> None:
-            async with self.controller.dispatched(self.config, request(fairness_id), priority, lookup):
+            async with self.controller.dispatched(self.config, request(fairness_id, headers), priority, lookup):
                 self.order.append(name)
                 await asyncio.sleep(0)  # the handoff lasts across an await
 
@@ -146,7 +160,7 @@ async def test_a_parked_request_keeps_its_priority_and_leaves_at_once_when_cance
     assert controller.count == 0 and controller.bytes == 0
 
 
-async def test_round_robin_turns_are_kept_while_a_flow_waits_for_its_holder() -> None:
+async def test_round_robin_turns_go_on_while_a_flow_waits_for_its_holder() -> None:
     pool = Pool()
     config = settings()
     controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
@@ -158,12 +172,51 @@ async def test_round_robin_turns_are_kept_while_a_flow_waits_for_its_holder() ->
     pool.saturation = 0.5
     controller.wake()
     await until(lambda: len(client.order) == 4)
-    # x's first turn went to the request now waiting for a; the flows still alternate.
-    assert client.order == ["y0", "x0", "y1", "x1"] and controller.parked == 1
+    # x's turns go to its requests that may go; the flows alternate.
+    assert client.order == ["x0", "y0", "x1", "y1"] and controller.parked == 1
+    pool.saturation = 2.0
+    tasks += [client.send(f"y{i}", None, fairness_id="y") for i in range(2, 4)]
+    await until(lambda: controller.count == 3)
+    pool.free["a"] = True
+    pool.saturation = 0.5
+    controller.wake()
+    await asyncio.gather(*tasks)
+    assert client.order[4:] == ["x-on-a", "y2", "y3"]  # at x's turn, after y1
+
+
+async def test_a_noisy_flows_parked_requests_take_turns_with_a_quiet_flows() -> None:
+    pool = Pool()
+    config = settings()
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    tasks = [client.send(f"noisy{i}", held_at("a"), fairness_id="noisy") for i in range(6)]
+    await until(lambda: controller.count == 6)
+    pool.saturation = 0.5  # room in the pool, none at a: the noisy requests are parked
+    controller.wake()
+    await until(lambda: controller.parked == 6)
+    tasks += [client.send(f"quiet{i}", held_at("a"), fairness_id="quiet") for i in range(2)]
+    await until(lambda: controller.parked == 8)
     pool.free["a"] = True
     controller.wake()
     await asyncio.gather(*tasks)
-    assert client.order[-1] == "x-on-a"
+    assert client.order == ["noisy0", "quiet0", "noisy1", "quiet1", "noisy2", "noisy3", "noisy4", "noisy5"]
+
+
+async def test_parked_requests_of_a_flow_go_by_its_ordering_policy() -> None:
+    pool = Pool()
+    band = BandSettings(0, 0, RoundRobinFairnessPolicy("rr"), SloDeadlineOrderingPolicy("slo"))
+    config = FlowControlSettings(0, 0, None, 1.0, band, max_affinity_wait=60.0)
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    client = Client(controller, config)
+    pool.saturation = 0.5
+    loose = client.send("loose", held_at("a"), headers={SLO_TTFT_HEADER: "60000"})
+    await until(lambda: controller.parked == 1)
+    tight = client.send("tight", held_at("a"), headers={SLO_TTFT_HEADER: "100"})  # parked after, due first
+    await until(lambda: controller.parked == 2)
+    pool.free["a"] = True
+    controller.wake()
+    await asyncio.gather(loose, tight)
+    assert client.order == ["tight", "loose"]
 
 
 def test_max_affinity_wait_is_read_from_the_flow_control_section() -> None:
@@ -213,3 +266,18 @@ def test_the_producer_names_the_prefix_holder_and_the_prompt_is_hashed_once() ->
     producer.prepare(second, store.snapshot(), queued)  # the scheduling after dispatch reuses the blocks
     assert calls == [] and queued.read(PREFIX_MATCH_KEY) is not None
     assert queued.read(PROMPT_BLOCKS_KEY) is hashed
+
+
+def test_the_runtime_names_its_affinity_source_once_when_built() -> None:
+    holder = RuntimeHolder()
+    source = holder.current.affinity_source  # the default config scores prefixes
+    assert isinstance(source, ApproxPrefixCacheProducer)
+    assert [s.plugin for s in holder.current.producers] == [source]
+    text = """apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: queue-scorer}, {type: max-score-picker}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
+"""
+    assert holder.build(parse_text(text)).affinity_source is None  # nothing knows where prefixes are

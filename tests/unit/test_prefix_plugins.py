@@ -399,6 +399,32 @@ def test_configs_load_and_the_index_survives_a_reload() -> None:
     assert max(again.profile_results["default"].scores["prefix-cache-scorer"]) == 1.0
 
 
+def test_ttft_priors_follow_the_installed_config_not_a_rejected_one() -> None:
+    from picker.config.runtime import RuntimeHolder
+    from picker.config.schema import ConfigError
+
+    async def run() -> None:
+        holder = RuntimeHolder(_store())
+        holder.load_text(CONFIG)
+        await holder.start()
+        scorer = holder.current.plugins["ttft-cost-scorer"]
+        assert isinstance(scorer, TtftCostScorer)
+        assert scorer.model.priors.prefill_tokens_per_second == 8000
+        # Valid up to the scorer, then a reference to a plugin that does not exist.
+        rejected = CONFIG.replace("{prefillTokensPerSecond: 8000}", "{prefillTokensPerSecond: 1}").replace(
+            "pluginRef: queue-scorer", "pluginRef: no-such-plugin"
+        )
+        with pytest.raises(ConfigError):
+            holder.load_text(rejected)
+        assert scorer.model.priors.prefill_tokens_per_second == 8000
+        holder.load_text(CONFIG.replace("8000", "9000"))
+        await holder.settle()
+        assert scorer.model.priors.prefill_tokens_per_second == 9000
+        await holder.stop()
+
+    asyncio.run(run())
+
+
 def test_expected_cached_tokens_equal_what_the_simulated_engine_reuses() -> None:
     # The real simulator engine (in process), fed the router's own token ids for chat requests.
     from picker.sim.engine import Engine, EngineConfig

@@ -1,8 +1,8 @@
 """Every EndpointPickerConfig in the reference EPP v1.5.0's docs and test data (one file each in
 tests/data/reference_configs/, naming where it comes from): what the reference accepts, the
 picker accepts with the same meaning, as `picker config show` prints it; what the reference
-rejects, the picker rejects with an error naming the place; and where the reference accepts a
-plugin type the picker does not have, the picker refuses it naming the type, the place and why.
+rejects, the picker rejects with an error naming the place. (The reference types the picker
+does not have are refused naming the type and why: test_config_reference_rules.py.)
 
 The expected meanings were read from the reference itself: epp v1.5.0 run with `--config-file F
 --pool-name x` and a kubeconfig naming an unreachable server logs its "Effective raw
@@ -79,14 +79,6 @@ class Rejected:
     error: str
 
 
-@dataclass(frozen=True)
-class Unsupported:
-    """The reference accepts the config, with a plugin type the picker does not have: the picker
-    refuses it with this error (naming the place and the type)."""
-
-    error: str
-
-
 FLOW_NOTE = 'flowControl: the section is ignored while the "flowControl" feature gate is off'
 FORWARDED = 'its parameters configure the "approx-prefix-cache-producer" added for it'
 EXTRACTOR_ENGINES = [
@@ -101,11 +93,7 @@ EXTRACTOR_ENGINES = [
 ]
 
 
-def unsupported(place: str, plugin_type: str) -> Unsupported:
-    return Unsupported(f'{place}.type: the picker does not support the reference type "{plugin_type}"')
-
-
-CASES: dict[str, Accepted | Rejected | Unsupported] = {
+CASES: dict[str, Accepted | Rejected] = {
     "chart-default.yaml": Accepted(
         named(*CHART_SCORERS, *DATA, *SYSTEM, *PRODUCER),
         [*CHART_PROFILE, MAX_SCORE],
@@ -120,8 +108,52 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         [*CHART_PROFILE, MAX_SCORE],
         parameters={"core-metrics-extractor": {"defaultEngine": "triton-tensorrt-llm"}},
     ),
-    "chart-grpc.yaml": unsupported("plugins[5]", "vllmgrpc-parser"),
-    "chart-latency-predictor.yaml": unsupported("plugins[5]", "predicted-latency-producer"),
+    "chart-grpc.yaml": Accepted(
+        named(*CHART_SCORERS, *DATA, "vllmgrpc-parser", *SYSTEM[:2], SYSTEM[3], *PRODUCER),
+        [*CHART_PROFILE, MAX_SCORE],
+        parser="vllmgrpc-parser",
+    ),
+    "chart-latency-predictor.yaml": Accepted(
+        named(
+            *CHART_SCORERS,
+            *DATA,
+            "predicted-latency-producer",
+            ("strict-affinity-filter", "prefix-cache-affinity-filter"),
+            ("loose-affinity-filter", "prefix-cache-affinity-filter"),
+            "latency-scorer",
+            "weighted-random-picker",
+            "slo-headroom-tier-filter",
+            "latency-slo-admitter",
+            "single-profile-handler",
+            "openai-parser",
+            "utilization-detector",
+            *PRODUCER,
+        ),
+        [
+            ("predicted-latency-producer", None),
+            ("strict-affinity-filter", None),
+            ("slo-headroom-tier-filter", None),
+            ("loose-affinity-filter", None),
+            ("latency-scorer", 1.0),
+            ("weighted-random-picker", None),
+        ],
+        parameters={
+            "predicted-latency-producer": {
+                "samplingMean": 1000.0,
+                "maxDecodeTokenSamplesForPrediction": 0,
+                "sloBufferFactor": 1.0,
+                "streamingMode": False,
+                "endpointRoleLabel": "",
+                "predictInPrepareData": True,
+                "contextTTL": "300s",
+            },
+            "strict-affinity-filter": {"affinityThreshold": 0.99, "explorationProbability": 0.01},
+            "loose-affinity-filter": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": 5000.0},
+            "latency-scorer": {"ttftWeight": 0.8, "tpotWeight": 0.2, "headroomSelectionStrategy": "least"},
+            "slo-headroom-tier-filter": {"epsilonExploreNeg": 0.01},
+        },
+        notes=['"predicted-latency-producer" is not a filter, scorer or picker'],
+    ),
     "chart-custom-scorer.yaml": Rejected('plugins[0].type: unknown plugin type "custom-scorer"'),
     "config-text-complete.yaml": Accepted(
         named("prefix-cache-scorer", *SYSTEM, *DATA, *PRODUCER),
@@ -200,7 +232,11 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         feature_gates=["dataLayer", "flowControl"],
         notes=['"dataLayer" is obsolete'],
     ),
-    "vllmgrpc-parser.yaml": unsupported("plugins[1]", "vllmgrpc-parser"),
+    "vllmgrpc-parser.yaml": Accepted(
+        named(("maxScore", "max-score-picker"), ("vllmgrpcParser", "vllmgrpc-parser"), SYSTEM[0], SYSTEM[3], *DATA),
+        [("maxScore", None)],
+        parser="vllmgrpcParser",
+    ),
     "model-servers-default-engine.yaml": Accepted(
         named(*SYSTEM, *DATA),
         [MAX_SCORE],
@@ -290,7 +326,25 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         feature_gates=["enableLegacyMetrics"],
     ),
     "integration-datalayer.yaml": Rejected('plugins[5].type: unknown plugin type "mock-metrics-source"'),
-    "integration-request-attribute-reporter.yaml": unsupported("plugins[1]", "request-attribute-reporter"),
+    "integration-request-attribute-reporter.yaml": Accepted(
+        named("openai-parser", ("total-tokens-cost-reporter", "request-attribute-reporter"), *SYSTEM[:2], SYSTEM[3]),
+        # Plugins that take no part in scheduling may be named in a profile: the reference keeps them.
+        [("openai-parser", None), ("total-tokens-cost-reporter", None), MAX_SCORE],
+        data_layer=None,
+        feature_gates=["enableLegacyMetrics"],
+        parameters={
+            "total-tokens-cost-reporter": {
+                "attributes": [
+                    {
+                        "key": {"namespace": "envoy.lb", "name": "x-gateway-inference-request-cost"},
+                        "expression": "usage.completion_tokens\n",
+                        "condition": "has(usage.completion_tokens)",
+                    }
+                ]
+            }
+        },
+        notes=['"total-tokens-cost-reporter" is not a filter, scorer or picker'],
+    ),
     "integration-passthrough-parser.yaml": Accepted(
         named("queue-scorer", "kv-cache-utilization-scorer", "passthrough-parser", *SYSTEM[:2], "utilization-detector"),
         [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0), MAX_SCORE],
@@ -298,7 +352,19 @@ CASES: dict[str, Accepted | Rejected | Unsupported] = {
         data_layer=None,
         feature_gates=["enableLegacyMetrics"],
     ),
-    "integration-vllmgrpc-parser.yaml": unsupported("plugins[4]", "vllmgrpc-parser"),
+    "integration-vllmgrpc-parser.yaml": Accepted(
+        named(*CHART_SCORERS, "lora-affinity-scorer", "vllmgrpc-parser", *SYSTEM[:2], SYSTEM[3], *PRODUCER),
+        [
+            ("queue-scorer", 1.0),
+            ("kv-cache-utilization-scorer", 1.0),
+            ("prefix-cache-scorer", 1.0),
+            ("lora-affinity-scorer", 1.0),
+            MAX_SCORE,
+        ],
+        parser="vllmgrpc-parser",
+        data_layer=None,
+        feature_gates=["enableLegacyMetrics"],
+    ),
     "loader-max-score-only.yaml": Accepted(
         named(
             ("maxScore", "max-score-picker"), "single-profile-handler", "openai-parser", "utilization-detector", *DATA
@@ -429,7 +495,7 @@ def test_accepted_with_the_reference_meaning(name: str, capsys: pytest.CaptureFi
 @pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if not isinstance(case, Accepted)))
 def test_rejected_naming_the_place(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     expected = CASES[name]
-    assert isinstance(expected, (Rejected, Unsupported))
+    assert isinstance(expected, Rejected)
     code, shown, errors = config_show(CONFIGS / name, capsys)
     assert code == 1 and shown == ""
     assert any(line.startswith(expected.error) for line in errors.splitlines()), errors

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from picker.state.messages import BadMessageError, IndexInsert, StateBatch, decode_batch, encode_batch
+from picker.state.messages import (
+    BadMessageError,
+    EndpointInFlight,
+    IndexInsert,
+    InFlightLoad,
+    PrefillQueued,
+    StateBatch,
+    TtftObservation,
+    decode_batch,
+    encode_batch,
+)
 from picker.state.v1 import state_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,11 +68,55 @@ def test_a_batch_with_fields_a_newer_version_added_is_applied() -> None:
     assert message.SerializeToString() == data
 
 
+def _field(number: int, message: bytes) -> bytes:
+    """`message` as the length-delimited field `number` of its parent."""
+    return _varint((number << 3) | 2) + _varint(len(message)) + message
+
+
+def test_load_and_ttft_lessons_with_fields_a_newer_version_added_are_applied() -> None:
+    endpoint = state_pb2.EndpointInFlight(endpoint="10.0.0.5:8000", requests=3, tokens=900).SerializeToString()
+    load = _field(1, endpoint + _unknown_fields(30)) + _varint(2 << 3) + _varint(3000) + _unknown_fields(40)
+    observation = state_pb2.TtftObservation(
+        endpoint="10.0.0.6:8000", ttft_seconds=0.25, prompt_tokens=800, cached_tokens=512, work_ahead_tokens=64.0
+    ).SerializeToString()
+    prefill = state_pb2.PrefillQueued(endpoint="10.0.0.6:8000", tokens=288.0).SerializeToString()
+    batch = state_pb2.StateBatch(origin="a1", sequence=2).SerializeToString()
+    data = (
+        batch
+        + _field(4, load)
+        + _field(5, observation + _unknown_fields(20))
+        + _field(6, prefill + _unknown_fields(20))
+        + _unknown_fields(60)
+    )
+    decoded = decode_batch(data)
+    assert decoded.in_flight == InFlightLoad((EndpointInFlight("10.0.0.5:8000", 3, 900),), 3000)
+    assert list(decoded.observations) == [TtftObservation("10.0.0.6:8000", 0.25, 800, 512, 64.0)]
+    assert list(decoded.prefills) == [PrefillQueued("10.0.0.6:8000", 288.0)]
+
+
+def test_a_batch_of_an_older_version_has_no_load_report() -> None:
+    """Version 1's first replicas sent only inserts: the receiver keeps their load as it was."""
+    decoded = decode_batch(state_pb2.StateBatch(origin="a1", sequence=1).SerializeToString())
+    assert decoded.in_flight is None and not decoded.observations and not decoded.prefills
+
+
 def test_encode_then_decode_is_the_same_batch() -> None:
     batch = StateBatch("origin", 3, [IndexInsert("i", "10.0.0.5:8000", (5, 6, 7), None, False)])
     assert decode_batch(encode_batch(batch)) == StateBatch(
         "origin", 3, [IndexInsert("i", "10.0.0.5:8000", (5, 6, 7), None, False)]
     )
+    full = StateBatch(
+        "origin",
+        4,
+        [],
+        InFlightLoad((EndpointInFlight("10.0.0.5:8000", 2, 100), EndpointInFlight("10.0.0.6:8000", 1, 7)), 1500),
+        (TtftObservation("10.0.0.5:8000", 0.5, 1000, 0, 12.5),),
+        (PrefillQueued("10.0.0.5:8000", 1000.0),),
+    )
+    assert decode_batch(encode_batch(full)) == full
+    # nothing in flight is a report too (the load went to zero), not the absence of one
+    idle = StateBatch("origin", 5, [], InFlightLoad((), 1500))
+    assert decode_batch(encode_batch(idle)) == idle
 
 
 @pytest.mark.parametrize(
@@ -71,6 +125,10 @@ def test_encode_then_decode_is_the_same_batch() -> None:
         b"\xff\xff\xff\xff",  # not protobuf
         state_pb2.StateBatch(sequence=1).SerializeToString(),  # no origin
         state_pb2.StateBatch(origin="o", index_inserts=[state_pb2.IndexInsert(index="i")]).SerializeToString(),
+        state_pb2.StateBatch(
+            origin="o", in_flight=state_pb2.InFlightLoad(endpoints=[state_pb2.EndpointInFlight(requests=1)])
+        ).SerializeToString(),
+        state_pb2.StateBatch(origin="o", ttft_observations=[state_pb2.TtftObservation()]).SerializeToString(),
     ],
 )
 def test_garbage_is_a_bad_message(data: bytes) -> None:

@@ -1,10 +1,12 @@
-"""`--state-store URL`: what is accepted, and a clear error naming the flag for the rest."""
+"""`--state-store URL` and `--state-store-key KEY`: what is accepted, and a clear error naming the
+flag for the rest."""
 
 from __future__ import annotations
 
 import pytest
 
-from picker.serve import FlagError, build_parser
+from picker.serve import FlagError, build_parser, check_refused
+from picker.state.sync import stream_name
 from picker.state.url import StoreUrl, parse_store_url
 
 
@@ -47,3 +49,25 @@ def test_a_password_is_never_echoed_in_the_error() -> None:
 
 def test_without_the_flag_nothing_is_shared() -> None:
     assert build_parser().parse_args(["--endpoints", "127.0.0.1:1"]).state_store is None
+
+
+def test_the_store_key_names_the_stream_in_place_of_the_pool() -> None:
+    args = build_parser().parse_args(
+        ["--endpoints", "127.0.0.1:1", "--state-store", "redis://h", "--state-store-key", "team-a/chat"]
+    )
+    assert stream_name(args.pool_namespace, "", args.state_store_key) == "picker:state:v1:team-a/chat"
+    assert stream_name("ns", "") == "picker:state:v1:ns/-" == stream_name("ns", "", None)
+    assert stream_name("ns", "pool") == "picker:state:v1:ns/pool"
+
+
+@pytest.mark.parametrize("key", ["", "has space", "x" * 201, "new\nline"])
+def test_a_bad_store_key_is_refused_naming_the_flag(key: str) -> None:
+    with pytest.raises(FlagError) as error:
+        build_parser().parse_args(["--state-store", "redis://h", "--state-store-key", key])
+    assert "--state-store-key" in str(error.value) and "letters, digits" in str(error.value)
+
+
+def test_a_store_key_without_a_store_is_refused() -> None:
+    args = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--state-store-key", "team-a"])
+    with pytest.raises(FlagError, match="give --state-store too"):
+        check_refused(args)

@@ -24,7 +24,7 @@ CHAT_USAGE = {
 @pytest.mark.parametrize(
     ("body", "usage"),
     [
-        ({"object": "chat.completion", "usage": CHAT_USAGE}, Usage(12, 5, 8)),
+        ({"object": "chat.completion", "usage": CHAT_USAGE}, Usage(12, 5, 8, 17)),
         ({"object": "text_completion", "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, Usage(3, 4, 0)),
         (
             {"usage": {"prompt_tokens": 3, "completion_tokens": 4, "prompt_token_details": {"cached_tokens": 2}}},
@@ -51,7 +51,8 @@ CHAT_USAGE = {
         ),
         ({"usage": None}, None),
         ({"usage": {}}, None),
-        ({"usage": {"total_tokens": 5}}, None),
+        ({"usage": {"total_tokens": 5}}, None),  # no prompt or completion count: not usage
+        ({"usage": {"prompt_tokens": 2, "total_tokens": 5}}, Usage(2, 0, 0, 5)),
         ({"usage": {"prompt_tokens": "12", "completion_tokens": True}}, None),
         ({"usage": {"prompt_tokens": -1, "completion_tokens": 2}}, Usage(0, 2, 0)),
         ({"usage": [1, 2]}, None),
@@ -84,7 +85,7 @@ def test_scanner_keeps_the_last_usage_object_and_ignores_null_usage() -> None:
     scanner.feed(chunk_event(None))
     scanner.feed(chunk_event(CHAT_USAGE))
     scanner.feed(chunk_event(None) + b"data: [DONE]\n\n")
-    assert scanner.usage == Usage(12, 5, 8)
+    assert scanner.usage == Usage(12, 5, 8, 17)
 
 
 def test_scanner_handles_crlf_split_lines_and_many_events_per_chunk() -> None:

@@ -96,11 +96,15 @@ config then overrode). */}}
 {{- end -}}
 
 {{/* The EndpointPickerConfig used when pluginsConfigFile is default-plugins.yaml: the reference
-chart's default-plugins.yaml (v1.5.0), data layer and parser included. */}}
+chart's default-plugins.yaml (v1.5.0), data layer, parser and latency-predictor plugins included
+(the plugins only: picker predicts latency itself, without the reference's sidecars). */}}
 {{- define "picker.defaultPlugins" -}}
 {{- $source := .Values.inferenceExtension.metricsDataSource -}}
 {{- $engine := .Values.inferencePool.modelServerType | default "vllm" -}}
 {{- $parser := .Values.inferencePool.parser -}}
+{{- if and (eq (lower $engine) "vllm") (eq (.Values.inferencePool.modelServerProtocol | default "http") "grpc") -}}
+{{- $parser = "vllmgrpc-parser" -}}
+{{- end -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -120,15 +124,40 @@ plugins:
 {{- with $parser }}
 - type: {{ . }}
 {{- end }}
+{{- if .Values.inferenceExtension.latencyPredictor.enabled }}
+- type: predicted-latency-producer
+# Two-gate prefix cache affinity: strict (0.99) before the SLO tier filter, loose (0.80) after it.
+- name: strict-affinity-filter
+  type: prefix-cache-affinity-filter
+  parameters:
+    affinityThreshold: 0.99
+- name: loose-affinity-filter
+  type: prefix-cache-affinity-filter
+  parameters:
+    affinityThreshold: 0.80
+- type: latency-scorer
+- type: weighted-random-picker
+- type: slo-headroom-tier-filter
+- type: latency-slo-admitter
+{{- end }}
 schedulingProfiles:
 - name: default
   plugins:
+{{- if .Values.inferenceExtension.latencyPredictor.enabled }}
+  - pluginRef: predicted-latency-producer
+  - pluginRef: strict-affinity-filter
+  - pluginRef: slo-headroom-tier-filter
+  - pluginRef: loose-affinity-filter
+  - pluginRef: latency-scorer
+  - pluginRef: weighted-random-picker
+{{- else }}
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer
     weight: 2
   - pluginRef: prefix-cache-scorer
     weight: 3
+{{- end }}
 {{- with $parser }}
 parser:
   pluginRef: {{ . }}
@@ -160,12 +189,6 @@ earlier serviceMonitor.enabled). */}}
 {{- define "picker.validate" -}}
 {{- $ie := .Values.inferenceExtension -}}
 {{- $pool := .Values.inferencePool -}}
-{{- if $ie.latencyPredictor.enabled -}}
-{{- fail "inferenceExtension.latencyPredictor.enabled: picker has no latency predictor (the reference's training and prediction sidecars and predicted-latency plugins); its ttft-cost-scorer learns TTFT online instead (manifests/configs/picker-best.yaml). Set it to false." -}}
-{{- end -}}
-{{- if eq ($pool.modelServerProtocol | default "http") "grpc" -}}
-{{- fail "inferencePool.modelServerProtocol grpc: picker parses OpenAI HTTP requests only, not vLLM's gRPC API. Use http." -}}
-{{- end -}}
 {{- if and $pool.targetPortNumber (ne (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- fail (printf "inferencePool.targetPortNumber (%d, the legacy single port) differs from targetPorts[0] (%d): set targetPorts only" (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- end -}}

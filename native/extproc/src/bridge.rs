@@ -10,6 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use envoy_types::pb::google::protobuf::Struct;
 use tokio::sync::oneshot;
 
 /// What a stream tells Python; `id` names the stream (one HTTP request).
@@ -39,16 +40,19 @@ pub enum Event {
         content_type: String,
         end_of_stream: bool,
     },
-    /// Response body bytes since the last such event (chunks coalesced unless Python wants each).
+    /// Response body bytes since the last such event (chunks coalesced unless Python wants
+    /// each); `asks`: answer with `Answer::Metadata` (the stream's answer to this chunk waits).
     ResponseBody {
         id: u64,
         data: Vec<u8>,
         end_of_stream: bool,
         served: Option<String>,
         first_byte_at: Option<f64>,
+        asks: bool,
     },
     ResponseTrailers {
         id: u64,
+        asks: bool,
     },
     /// The stream ended before its response did: `error` None (the proxy half-closed) or "cancelled".
     Closed {
@@ -65,16 +69,21 @@ pub enum Event {
 /// Python's answer to `Event::Route`, `Event::RouteWithoutBody` or `Event::Fail`.
 pub enum Answer {
     /// `body`: the body to forward when the director replaced it; `chunks`: report every
-    /// response chunk as it passes (response-streaming hooks need them).
+    /// response chunk as it passes (response-streaming hooks need them); `metadata`: ask for
+    /// the dynamic metadata of the answer to every response chunk and to the trailers
+    /// (response-metadata hooks).
     Route {
         destination: String,
         body: Option<Vec<u8>>,
         chunks: bool,
+        metadata: bool,
     },
     Reject {
         status: u16,
         body: Vec<u8>,
     },
+    /// The dynamic metadata to set on the answer to a response message (None: nothing).
+    Metadata(Option<Struct>),
 }
 
 pub struct Bridge {

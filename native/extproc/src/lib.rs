@@ -6,6 +6,7 @@ mod messages;
 mod server;
 mod stream;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -70,6 +71,7 @@ fn event_to_py<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyAny>
             end_of_stream,
             served,
             first_byte_at,
+            asks,
         } => (
             RESPONSE_BODY,
             id,
@@ -77,10 +79,11 @@ fn event_to_py<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyAny>
             end_of_stream,
             served,
             first_byte_at,
+            asks,
         )
             .into_pyobject(py)?
             .into_any(),
-        Event::ResponseTrailers { id } => (RESPONSE_TRAILERS, id).into_pyobject(py)?.into_any(),
+        Event::ResponseTrailers { id, asks } => (RESPONSE_TRAILERS, id, asks).into_pyobject(py)?.into_any(),
         Event::Closed { id, error } => (CLOSED, id, error).into_pyobject(py)?.into_any(),
         Event::Log { level, message } => (LOG, level, message).into_pyobject(py)?.into_any(),
     })
@@ -162,17 +165,26 @@ impl Core {
     }
 
     /// The pick for stream `id`; `body` when the director replaced it; `chunks`: report each
-    /// response chunk. False when the stream is gone.
-    #[pyo3(signature = (id, destination, body, chunks))]
-    fn route(&self, id: u64, destination: String, body: Option<Vec<u8>>, chunks: bool) -> bool {
+    /// response chunk; `metadata`: ask for the dynamic metadata of every response answer
+    /// (answered with `metadata`). False when the stream is gone.
+    #[pyo3(signature = (id, destination, body, chunks, metadata))]
+    fn route(&self, id: u64, destination: String, body: Option<Vec<u8>>, chunks: bool, metadata: bool) -> bool {
         self.bridge.answer(
             id,
             Answer::Route {
                 destination,
                 body,
                 chunks,
+                metadata,
             },
         )
+    }
+
+    /// The dynamic metadata (namespace → key → number) to set on stream `id`'s answer to the
+    /// response message it reported with `asks`. False when the stream is gone.
+    fn metadata(&self, id: u64, values: Option<HashMap<String, HashMap<String, f64>>>) -> bool {
+        self.bridge
+            .answer(id, Answer::Metadata(values.map(messages::dynamic_metadata)))
     }
 
     /// Answer stream `id`'s client directly (status, JSON body). False when the stream is gone.

@@ -181,16 +181,51 @@ pub fn continue_request_body() -> ProcessingResponse {
     with_response(Response::RequestBody(BodyResponse::default()))
 }
 
-pub fn continue_response_body() -> ProcessingResponse {
-    with_response(Response::ResponseBody(BodyResponse::default()))
+pub fn continue_response_body(metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse::default())),
+        dynamic_metadata: metadata,
+        ..Default::default()
+    }
 }
 
 pub fn continue_request_trailers() -> ProcessingResponse {
     with_response(Response::RequestTrailers(TrailersResponse::default()))
 }
 
-pub fn continue_response_trailers() -> ProcessingResponse {
-    with_response(Response::ResponseTrailers(TrailersResponse::default()))
+pub fn continue_response_trailers(metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseTrailers(TrailersResponse::default())),
+        dynamic_metadata: metadata,
+        ..Default::default()
+    }
+}
+
+/// Plugins' metadata (namespace → key → number) as ext_proc's `dynamic_metadata` struct.
+pub fn dynamic_metadata(values: HashMap<String, HashMap<String, f64>>) -> Struct {
+    let fields = values
+        .into_iter()
+        .map(|(namespace, numbers)| {
+            let inner = numbers
+                .into_iter()
+                .map(|(key, number)| {
+                    (
+                        key,
+                        Value {
+                            kind: Some(Kind::NumberValue(number)),
+                        },
+                    )
+                })
+                .collect();
+            (
+                namespace,
+                Value {
+                    kind: Some(Kind::StructValue(Struct { fields: inner })),
+                },
+            )
+        })
+        .collect();
+    Struct { fields }
 }
 
 /// The request-headers answer carrying the pick (duplex/streamed modes, and headers-only requests).
@@ -250,9 +285,13 @@ pub fn streamed_request_body(body: &[u8], end_of_stream: bool, out: &mut Vec<Pro
     }
 }
 
-/// Pass one response body chunk through unchanged (duplex mode).
-pub fn streamed_response_body(chunk: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
-    with_response(Response::ResponseBody(streamed_body(chunk, end_of_stream)))
+/// Pass one response body chunk through unchanged (duplex mode), setting `metadata`.
+pub fn streamed_response_body(chunk: Vec<u8>, end_of_stream: bool, metadata: Option<Struct>) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(streamed_body(chunk, end_of_stream))),
+        dynamic_metadata: metadata,
+        ..Default::default()
+    }
 }
 
 /// Answer the client directly (errors), with a JSON body.

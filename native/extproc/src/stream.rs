@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_server::ExternalProcessor, processing_request::Request, HttpBody, HttpHeaders,
     ProcessingRequest, ProcessingResponse,
 };
+use envoy_types::pb::google::protobuf::Struct;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
@@ -72,6 +73,8 @@ struct StreamState {
     /// Python asked about this stream: it must hear how it ends.
     asked: bool,
     report_chunks: bool,
+    /// Ask Python for the dynamic metadata of every response answer.
+    ask_metadata: bool,
     request_ended: bool,
     response_ended: bool,
     pending: Vec<u8>,
@@ -101,7 +104,16 @@ impl StreamState {
         let id = self.id;
         match self.ask(Event::Fail { id, code, message }).await {
             Ok(Answer::Reject { status, body }) => Stop::Reject(status, body),
-            Ok(Answer::Route { .. }) | Err(_) => Stop::Gone,
+            Ok(Answer::Route { .. } | Answer::Metadata(_)) | Err(_) => Stop::Gone,
+        }
+    }
+
+    /// Report a response message and wait for the dynamic metadata of its answer.
+    async fn metadata(&mut self, event: Event) -> Result<Option<Struct>, Stop> {
+        match self.ask(event).await? {
+            Answer::Metadata(metadata) => Ok(metadata),
+            Answer::Reject { status, body } => Err(Stop::Reject(status, body)),
+            Answer::Route { .. } => Ok(None),
         }
     }
 
@@ -112,12 +124,15 @@ impl StreamState {
                 destination,
                 body,
                 chunks,
+                metadata,
             } => {
                 self.routed = true;
                 self.report_chunks = chunks;
+                self.ask_metadata = metadata;
                 Ok((destination, body))
             }
             Answer::Reject { status, body } => Err(Stop::Reject(status, body)),
+            Answer::Metadata(_) => Err(Stop::Gone),
         }
     }
 
@@ -264,20 +279,28 @@ impl StreamState {
         self.send(m::continue_response_headers()).await
     }
 
-    fn report_body(&mut self, end_of_stream: bool) {
+    /// The body bytes held so far, as an event (`asks`: Python answers with metadata).
+    fn body_event(&mut self, end_of_stream: bool, asks: bool) -> Event {
         self.reported_end |= end_of_stream;
-        self.bridge.push(Event::ResponseBody {
+        Event::ResponseBody {
             id: self.id,
             data: std::mem::take(&mut self.pending),
             end_of_stream,
             served: self.pending_served.take(),
             first_byte_at: self.first_byte_at,
-        });
+            asks,
+        }
+    }
+
+    fn report_body(&mut self, end_of_stream: bool) {
+        let event = self.body_event(end_of_stream, false);
+        self.bridge.push(event);
     }
 
     async fn on_response_body(&mut self, req: &ProcessingRequest, body: HttpBody) -> Step {
         let end = body.end_of_stream;
         self.response_ended = end;
+        let mut metadata = None;
         if self.routed && !self.reported_end {
             if self.first_byte_at.is_none() && !body.body.is_empty() {
                 self.first_byte_at = Some(monotonic());
@@ -286,26 +309,36 @@ impl StreamState {
                 self.pending_served = m::served_endpoint(req);
             }
             self.pending.extend_from_slice(&body.body);
-            if end || self.report_chunks || self.pending.len() >= REPORT_BYTES {
+            if self.ask_metadata {
+                // response-metadata hooks: the answer to every chunk carries what they report
+                let event = self.body_event(end, true);
+                metadata = self.metadata(event).await?;
+            } else if end || self.report_chunks || self.pending.len() >= REPORT_BYTES {
                 self.report_body(end);
             }
         }
         if self.response_mode == FULL_DUPLEX_STREAMED {
-            return self.send(m::streamed_response_body(body.body, end)).await;
+            return self.send(m::streamed_response_body(body.body, end, metadata)).await;
         }
-        self.send(m::continue_response_body()).await
+        self.send(m::continue_response_body(metadata)).await
     }
 
     async fn on_response_trailers(&mut self) -> Step {
         self.response_ended = true;
+        let mut metadata = None;
         if self.routed && !self.reported_end {
             if !self.pending.is_empty() {
                 self.report_body(false);
             }
             self.reported_end = true;
-            self.bridge.push(Event::ResponseTrailers { id: self.id });
+            let (id, asks) = (self.id, self.ask_metadata);
+            if asks {
+                metadata = self.metadata(Event::ResponseTrailers { id, asks }).await?;
+            } else {
+                self.bridge.push(Event::ResponseTrailers { id, asks });
+            }
         }
-        self.send(m::continue_response_trailers()).await
+        self.send(m::continue_response_trailers(metadata)).await
     }
 
     async fn dispatch(&mut self, mut req: ProcessingRequest) -> Step {
@@ -414,6 +447,7 @@ impl ExternalProcessor for Service {
             reported_end: false,
             asked: false,
             report_chunks: false,
+            ask_metadata: false,
             request_ended: false,
             response_ended: false,
             pending: Vec::new(),

@@ -7,14 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateBatch(_message.Message):
-    __slots__ = ("origin", "sequence", "index_inserts")
+    __slots__ = ("origin", "sequence", "index_inserts", "in_flight", "ttft_observations", "prefills_queued")
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     INDEX_INSERTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     origin: str
     sequence: int
     index_inserts: _containers.RepeatedCompositeFieldContainer[IndexInsert]
-    def __init__(self, origin: _Optional[str] = ..., sequence: _Optional[int] = ..., index_inserts: _Optional[_Iterable[_Union[IndexInsert, _Mapping]]] = ...) -> None: ...
+    in_flight: InFlightLoad
+    ttft_observations: _containers.RepeatedCompositeFieldContainer[TtftObservation]
+    prefills_queued: _containers.RepeatedCompositeFieldContainer[PrefillQueued]
+    def __init__(self, origin: _Optional[str] = ..., sequence: _Optional[int] = ..., index_inserts: _Optional[_Iterable[_Union[IndexInsert, _Mapping]]] = ..., in_flight: _Optional[_Union[InFlightLoad, _Mapping]] = ..., ttft_observations: _Optional[_Iterable[_Union[TtftObservation, _Mapping]]] = ..., prefills_queued: _Optional[_Iterable[_Union[PrefillQueued, _Mapping]]] = ...) -> None: ...
 
 class IndexInsert(_message.Message):
     __slots__ = ("index", "endpoint", "block_hashes", "capacity", "count_reuse")
@@ -29,3 +35,43 @@ class IndexInsert(_message.Message):
     capacity: int
     count_reuse: bool
     def __init__(self, index: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., count_reuse: _Optional[bool] = ...) -> None: ...
+
+class InFlightLoad(_message.Message):
+    __slots__ = ("endpoints", "expires_ms")
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[EndpointInFlight]
+    expires_ms: int
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[EndpointInFlight, _Mapping]]] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+
+class EndpointInFlight(_message.Message):
+    __slots__ = ("endpoint", "requests", "tokens")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    requests: int
+    tokens: int
+    def __init__(self, endpoint: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class TtftObservation(_message.Message):
+    __slots__ = ("endpoint", "ttft_seconds", "prompt_tokens", "cached_tokens", "work_ahead_tokens")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORK_AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    ttft_seconds: float
+    prompt_tokens: int
+    cached_tokens: int
+    work_ahead_tokens: float
+    def __init__(self, endpoint: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., work_ahead_tokens: _Optional[float] = ...) -> None: ...
+
+class PrefillQueued(_message.Message):
+    __slots__ = ("endpoint", "tokens")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    tokens: float
+    def __init__(self, endpoint: _Optional[str] = ..., tokens: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,52 @@
+"""The datastore's in-flight counts: this process's own, plus the other picker processes' that
+state sync hands it (`set_remote_in_flight`), which every scheduling snapshot adds."""
+
+from __future__ import annotations
+
+from picker.datastore.store import Datastore
+from picker.discovery.static import parse_endpoint_flag
+
+A, B = "10.0.0.5:8000", "10.0.0.6:8000"
+
+
+def datastore() -> Datastore:
+    store = Datastore()
+    store.set_endpoints(parse_endpoint_flag(f"{A},{B}"))
+    return store
+
+
+def test_snapshots_add_the_other_processes_counts_to_the_own() -> None:
+    store = datastore()
+    store.acquire(A, 100)
+    store.set_remote_in_flight({A: 2, B: 1, "10.0.0.9:8000": 5}, {A: 30, B: 7, "10.0.0.9:8000": 1})
+    assert [(s.address, s.in_flight_requests, s.in_flight_tokens) for s in store.snapshot()] == [
+        (A, 3, 130),
+        (B, 1, 7),
+    ]  # an endpoint outside the pool is not in it
+    assert store.in_flight(A) == 1  # the process's own (its metric)
+    assert store.local_in_flight() == [(A, 1, 100)]
+    store.release(A, 100)
+    assert store.local_in_flight() == []
+    assert [s.in_flight_requests for s in store.snapshot([B, A])] == [1, 2]
+
+
+def test_state_sync_hears_of_every_acquire_and_release() -> None:
+    store = datastore()
+    calls: list[int] = []
+    store.in_flight_listener = lambda: calls.append(store.in_flight(A))
+    store.acquire(A, 1)
+    store.acquire(A, 1)
+    store.release(A, 1)
+    assert calls == [1, 2, 1]
+
+
+def test_flow_control_hears_when_other_processes_free_capacity() -> None:
+    store = datastore()
+    changes: list[None] = []
+    store.add_load_listener(lambda: changes.append(None))
+    store.set_remote_in_flight({A: 2}, {A: 10})
+    assert changes == []  # more load elsewhere frees nothing
+    store.set_remote_in_flight({A: 1, B: 4}, {A: 5, B: 4})
+    assert len(changes) == 1
+    store.set_remote_in_flight({}, {})  # their reports expired
+    assert len(changes) == 2
