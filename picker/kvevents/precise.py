@@ -26,6 +26,7 @@ counted as GPU until `speculative_ttl` passes without a confirming event).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -252,9 +253,9 @@ class PreciseIndex:
                 tiers = tier
                 if previous is not None:
                     tiers |= previous[TIERS]
-                    for old in previous[OWN_KEYS]:
-                        if old != key:
-                            self._remove(endpoint, cache, old, previous[TIERS])
+                    if previous[OWN_KEYS] != (key,):  # stored again under other tokens
+                        stale = [old for old in previous[OWN_KEYS] if old != key]
+                        self._remove(endpoint, cache, stale, previous[TIERS])
                 engine[h] = ((key,), tiers, key, (), ())
             self._add(endpoint, cache, own, tier)
             self._bound_engine(cache)
@@ -285,9 +286,7 @@ class PreciseIndex:
                 block_tail_engine = hashes[(tail_start - base) // size : i + 1]
             previous = engine.pop(h, None)
             if previous is not None:
-                for key in previous[OWN_KEYS]:
-                    if key not in keys:
-                        self._remove(endpoint, cache, key, previous[TIERS])
+                self._remove(endpoint, cache, [k for k in previous[OWN_KEYS] if k not in keys], previous[TIERS])
             engine[h] = (
                 tuple(keys),
                 tier | (previous[TIERS] if previous is not None else 0),
@@ -365,6 +364,7 @@ class PreciseIndex:
         if tier == GPU:
             tier |= SPECULATIVE  # an eviction overrides a prediction
         engine = cache.engine
+        keys: list[int] = []
         for h in event.block_hashes:
             block = engine.get(h)
             if block is None:
@@ -374,8 +374,8 @@ class PreciseIndex:
                 engine[h] = _with_tiers(block, left)
             else:
                 del engine[h]
-            for key in block[OWN_KEYS]:
-                self._remove(endpoint, cache, key, tier)
+            keys.extend(block[OWN_KEYS])
+        self._remove(endpoint, cache, keys, tier)
 
     # -- request path --------------------------------------------------------------------------
 
@@ -487,63 +487,101 @@ class PreciseIndex:
 
     def _add(self, endpoint: str, cache: _EndpointCache, keys: Iterable[int], tier: int) -> None:
         held = cache.tiers
-        publish = self._publish
+        joined: list[int] = []
+        # Weights need recording only below the top, or to clear an entry that was.
+        weigh = self._weigh if self._below_top or self._tier_weights[tier] < self._top else None
         for key in keys:
             old = held.pop(key, 0)
             held[key] = tiers = old | tier  # re-inserted: newest last
             if tiers != old:
-                publish(endpoint, key, tiers)
+                if not old:
+                    joined.append(key)
+                if weigh is not None:
+                    weigh(endpoint, key, tiers)
+        if joined:
+            self._join(endpoint, joined)
         if len(held) > cache.capacity:
             self._enforce_capacity(endpoint, cache)
 
-    def _remove(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
-        tiers = cache.tiers.get(key)
-        if tiers is None or not tiers & tier:
-            return
-        tiers &= ~tier
-        if tier & SPECULATIVE:
-            cache.speculative.pop(key, None)
-        if tiers:
-            cache.tiers[key] = tiers
-        else:
-            del cache.tiers[key]
-        self._publish(endpoint, key, tiers)
+    def _remove(self, endpoint: str, cache: _EndpointCache, keys: Iterable[int], tier: int) -> None:
+        """`endpoint` no longer holds `keys` on `tier`."""
+        held = cache.tiers
+        speculative = cache.speculative if tier & SPECULATIVE else None
+        left: list[int] = []
+        weights, top = self._tier_weights, self._top
+        for key in keys:
+            tiers = held.get(key)
+            if tiers is None or not tiers & tier:
+                continue
+            if speculative:
+                speculative.pop(key, None)
+            tiers &= ~tier
+            if tiers:
+                held[key] = tiers
+                if self._below_top or weights[tiers] < top:
+                    self._weigh(endpoint, key, tiers)
+            else:
+                del held[key]
+                left.append(key)
+        if left:
+            self._leave(endpoint, left)
 
-    def _publish(self, endpoint: str, key: int, tiers: int) -> None:
-        """Make the index say `endpoint` holds `key` on `tiers` (0 = not at all)."""
+    # The index's view of holders, changed in runs: the blocks of one event or prediction mostly
+    # share their holders, so one interned transition serves the whole run.
+
+    def _join(self, endpoint: str, keys: Iterable[int]) -> None:
+        """`endpoint` now holds each of `keys`, which it did not hold."""
         where = self._where
-        holders = where.get(key, NOBODY)
-        if tiers:
+        add = self._holder_sets.add
+        came_from: frozenset[str] | None = None
+        went_to = NOBODY
+        for key in keys:
+            holders = where.get(key, NOBODY)
+            if holders is not came_from:
+                came_from, went_to = holders, add(holders, endpoint)
+            where[key] = went_to
+
+    def _leave(self, endpoint: str, keys: Iterable[int]) -> None:
+        """`endpoint` no longer holds any of `keys`, which it held."""
+        where = self._where
+        remove = self._holder_sets.remove
+        below = self._below_top
+        came_from: frozenset[str] | None = None
+        went_to = NOBODY
+        for key in keys:
+            holders = where.get(key, NOBODY)
             if endpoint not in holders:
-                where[key] = self._holder_sets.add(holders, endpoint)
-            w = self._tier_weights[tiers]
-            if w < self._top:
-                self._below_top.setdefault(key, {})[endpoint] = w
-                return
-        else:
-            if endpoint not in holders:
-                return
-            rest = self._holder_sets.remove(holders, endpoint)
-            if rest:
-                where[key] = rest
+                continue
+            if holders is not came_from:
+                came_from, went_to = holders, remove(holders, endpoint)
+            if went_to:
+                where[key] = went_to
             else:
                 del where[key]
+            if below:
+                self._weigh(endpoint, key, 0)
+
+    def _weigh(self, endpoint: str, key: int, tiers: int) -> None:
+        """Record `endpoint`'s weight for `key` where it is below the top (an offloaded block)."""
         below = self._below_top
-        weights = below.get(key) if below else None
+        w = self._tier_weights[tiers] if tiers else self._top
+        if w < self._top:
+            below.setdefault(key, {})[endpoint] = w
+            return
+        weights = below.get(key)
         if weights is not None and weights.pop(endpoint, None) is not None and not weights:
             del below[key]
 
     def _enforce_capacity(self, endpoint: str, cache: _EndpointCache) -> None:
         tiers = cache.tiers
-        while len(tiers) > cache.capacity:
-            key = next(iter(tiers))
+        oldest = list(itertools.islice(tiers, max(0, len(tiers) - cache.capacity)))
+        for key in oldest:
             del tiers[key]
             cache.speculative.pop(key, None)
-            self._publish(endpoint, key, 0)
+        self._leave(endpoint, oldest)
 
     def _drop_all(self, endpoint: str, cache: _EndpointCache) -> None:
-        for key in cache.tiers:
-            self._publish(endpoint, key, 0)
+        self._leave(endpoint, cache.tiers)
         cache.tiers.clear()
         cache.engine.clear()
         cache.speculative.clear()
@@ -559,10 +597,8 @@ class PreciseIndex:
             if cache is None:
                 continue
             speculative = cache.speculative
-            for key in keys:
-                deadline = speculative.get(key)
-                if deadline is not None and deadline <= now:
-                    self._remove(endpoint, cache, key, SPECULATIVE)
+            due = [key for key in keys if speculative.get(key, now + 1) <= now]  # not extended since
+            self._remove(endpoint, cache, due, SPECULATIVE)
 
 
 def _salt(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:
