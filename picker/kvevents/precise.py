@@ -27,6 +27,7 @@ counted as GPU until `speculative_ttl` passes without a confirming event).
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import time
 from collections import deque
@@ -471,7 +472,8 @@ class PreciseIndex:
         now = self._clock()
         self._expire(now)
         held = cache.tiers
-        fresh = tuple(key for key in block_hashes if not held.get(key, 0) & GPU)  # the rest is cached already
+        on_gpu = map(operator.and_, map(held.get, block_hashes, itertools.repeat(0)), itertools.repeat(GPU))
+        fresh = tuple(itertools.compress(block_hashes, map(operator.not_, on_gpu)))  # the rest is cached already
         if not fresh:
             return
         deadline = now + self.speculative_ttl
@@ -549,7 +551,7 @@ class PreciseIndex:
         """`endpoint` no longer holds `keys` on `tier`."""
         held = cache.tiers
         found = list(map(held.get, keys))
-        if tier & _GPU_ONLY == _GPU_ONLY and set(found) <= _GPU_ONLY_TIERS:  # an eviction of GPU blocks
+        if set(found) <= _EMPTIED_BY[tier]:  # every key leaves (a GPU eviction, an expiry): in bulk
             deque(map(held.pop, keys, itertools.repeat(None)), maxlen=0)
             if cache.speculative:
                 deque(map(cache.speculative.pop, keys, itertools.repeat(None)), maxlen=0)
@@ -634,15 +636,16 @@ class PreciseIndex:
             cache = self._caches.get(endpoint)
             if cache is None:
                 continue
-            speculative = cache.speculative
-            due = [key for key in keys if speculative.get(key, now + 1) <= now]  # not extended since
+            # The keys whose deadline passed (a later prediction may have extended some).
+            deadlines = map(cache.speculative.get, keys, itertools.repeat(math.inf))
+            due = list(itertools.compress(keys, map(operator.ge, itertools.repeat(now), deadlines)))
             self._remove(endpoint, cache, due, SPECULATIVE)
 
 
 _KEY_OR_NONE = frozenset({int, type(None)})
 _is_key = partial(operator.is_not, None)
-_GPU_ONLY = GPU | SPECULATIVE
-_GPU_ONLY_TIERS = frozenset({GPU, SPECULATIVE, GPU | SPECULATIVE})  # what removing _GPU_ONLY empties
+# For each set of tier bits removed, the tier bits it leaves empty.
+_EMPTIED_BY = [frozenset(t for t in range(1, 8) if not t & ~removed) for removed in range(8)]
 
 
 def _salt(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:
