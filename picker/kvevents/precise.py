@@ -560,7 +560,8 @@ class PreciseIndex:
         speculative = cache.speculative if tier & SPECULATIVE else None
         left: list[int] = []
         weights, top = self._tier_weights, self._top
-        for key, tiers in zip(keys, found):
+        for key in keys:
+            tiers = held.get(key)  # not `found`: a key may be listed twice (spanning engine blocks)
             if tiers is None or not tiers & tier:
                 continue
             if speculative:

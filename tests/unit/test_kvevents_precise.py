@@ -298,6 +298,7 @@ class ReferenceEngine:
 @example(
     ops=[("request", 0, 2), ("evict-any", 0, 1), ("request", 0, 1)], sizes=(8, 12), seed=0
 )  # parent-first eviction
+@example(ops=[("request", 0, 5), ("evict", 0, 3), ("evict", 0, 2)], sizes=(8, 12), seed=0)  # a key listed twice
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["request", "evict", "evict-any", "clear"]), st.integers(0, 4), st.integers(1, 12)),
