@@ -21,11 +21,14 @@ Every later block follows its parent's own key, so the whole chain stays in the 
 block's scope.
 
 Tiers: a block can be on the GPU, on CPU (offloaded), and "speculative" (inserted after a pick,
-counted as GPU until `speculative_ttl` passes without a confirming event).
+counted as GPU until `speculative_ttl` passes without a confirming event; a prediction made with
+`hold` lasts while its request is in flight, up to `hold` seconds, and `speculative_ttl` after
+`end_speculative`: a request queued at a busy engine stores its blocks only when it runs).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import operator
@@ -110,6 +113,17 @@ def _with_own_key(block: _EngineBlock, key: int) -> _EngineBlock:
     return ((*own_keys, key), tiers, tail_parent, tail_tokens, tail_engine)
 
 
+class Prediction:
+    """The blocks one pick predicted at an endpoint, and until when (`insert_speculative`)."""
+
+    __slots__ = ("deadline", "endpoint", "keys")
+
+    def __init__(self, endpoint: str, deadline: float, keys: list[int]) -> None:
+        self.endpoint = endpoint
+        self.deadline = deadline
+        self.keys = keys  # emptied when the prediction ends or is replaced
+
+
 class _EndpointCache:
     """What the index knows about one endpoint."""
 
@@ -164,7 +178,9 @@ class PreciseIndex:
         self._below_top: dict[int, dict[str, float]] = {}
         self._holder_sets = HolderSets()
         self._caches: dict[str, _EndpointCache] = {}
-        self._expiries: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        # (deadline, sequence, prediction): a heap, as held predictions end out of order.
+        self._expiries: list[tuple[float, int, Prediction]] = []
+        self._predictions = itertools.count()
         self._scope_hints: dict[tuple[str, int], int] = {}
 
     # -- endpoints -----------------------------------------------------------------------------
@@ -461,25 +477,43 @@ class PreciseIndex:
             matched[e] = position
         return [(matched.get(e, 0) * top - deficit.get(e, 0.0)) / total for e in endpoints]
 
-    def insert_speculative(self, endpoint: str, block_hashes: Sequence[int]) -> None:
+    def insert_speculative(self, endpoint: str, block_hashes: Sequence[int], hold: float = 0.0) -> Prediction | None:
         """Predict that `endpoint` will cache `block_hashes` (the pick just sent them there);
-        the prediction counts as GPU until `speculative_ttl` unless an event confirms it."""
+        the prediction counts as GPU until `speculative_ttl` unless an event confirms it, or with
+        `hold` until `end_speculative` (the request ended) and `speculative_ttl` more, at most
+        `hold` seconds. None if nothing was predicted."""
         if not block_hashes or self.speculative_ttl <= 0:
-            return
+            return None
         cache = self._caches.get(endpoint)
         if cache is None:
-            return
+            return None
         now = self._clock()
         self._expire(now)
         held = cache.tiers
         on_gpu = map(operator.and_, map(held.get, block_hashes, itertools.repeat(0)), itertools.repeat(GPU))
-        fresh = tuple(itertools.compress(block_hashes, map(operator.not_, on_gpu)))  # the rest is cached already
+        fresh = list(itertools.compress(block_hashes, map(operator.not_, on_gpu)))  # the rest is cached already
         if not fresh:
-            return
-        deadline = now + self.speculative_ttl
-        cache.speculative.update(dict.fromkeys(fresh, deadline))
+            return None
+        prediction = Prediction(endpoint, now + max(self.speculative_ttl, hold), fresh)
+        cache.speculative.update(dict.fromkeys(fresh, prediction.deadline))
         self._add(endpoint, cache, fresh, SPECULATIVE)
-        self._expiries.append((deadline, endpoint, fresh))
+        heapq.heappush(self._expiries, (prediction.deadline, next(self._predictions), prediction))
+        return prediction
+
+    def end_speculative(self, prediction: Prediction) -> None:
+        """The request of `prediction` ended: it lasts `speculative_ttl` more (for the engine's
+        events to arrive). Keys a later prediction holds keep that one's deadline."""
+        cache = self._caches.get(prediction.endpoint)
+        keys, prediction.keys = prediction.keys, []  # its heap entry lets go of them now
+        if cache is None or not keys:
+            return
+        still_mine = map(operator.eq, itertools.repeat(prediction.deadline), map(cache.speculative.get, keys))
+        mine = list(itertools.compress(keys, still_mine))
+        if not mine:
+            return
+        ending = Prediction(prediction.endpoint, self._clock() + self.speculative_ttl, mine)
+        cache.speculative.update(dict.fromkeys(mine, ending.deadline))
+        heapq.heappush(self._expiries, (ending.deadline, next(self._predictions), ending))
 
     def record_scope(
         self,
@@ -509,6 +543,11 @@ class PreciseIndex:
         if cache is None:
             return set()
         return {h for h, block in cache.engine.items() if _expand(block)[TIERS] & tier}
+
+    def predicted_until(self, endpoint: str) -> float | None:
+        """The latest deadline of the endpoint's predictions (None without any)."""
+        cache = self._caches.get(endpoint)
+        return max(cache.speculative.values()) if cache is not None and cache.speculative else None
 
     def own_keys(self, endpoint: str) -> dict[int, int]:
         """Own key -> tier bits for `endpoint`."""
@@ -633,7 +672,8 @@ class PreciseIndex:
     def _expire(self, now: float) -> None:
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
-            _, endpoint, keys = expiries.popleft()
+            _, _, prediction = heapq.heappop(expiries)
+            endpoint, keys = prediction.endpoint, prediction.keys
             cache = self._caches.get(endpoint)
             if cache is None:
                 continue

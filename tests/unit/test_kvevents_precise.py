@@ -136,6 +136,41 @@ def test_a_later_prediction_extends_an_earlier_one_and_eviction_overrides_it() -
     assert idx.own_keys(A) == {}
 
 
+def test_a_held_prediction_lasts_while_its_request_is_in_flight_and_the_ttl_after() -> None:
+    # A request queued behind others at a busy engine stores its blocks only when it runs: its
+    # prefix stays predicted there until the request ends (at most `hold`), then `ttl` more.
+    clock = Clock()
+    idx = index(speculative_ttl=2.0, clock=clock)
+    keys = own(PROMPT)
+    prediction = idx.insert_speculative(A, keys[:4], hold=60.0)
+    assert prediction is not None and prediction.deadline == clock.now + 60.0
+    clock.now += 30.0  # still queued
+    assert idx.score(keys, [A]) == [0.5]
+    idx.end_speculative(prediction)
+    assert prediction.keys == []  # released: its entry in the expiry heap holds nothing
+    clock.now += 1.9
+    assert idx.score(keys, [A]) == [0.5]
+    clock.now += 0.2
+    assert idx.score(keys, [A]) == [0.0] and idx.own_keys(A) == {}
+    unended = idx.insert_speculative(A, keys[:2], hold=60.0)  # its response never comes
+    assert unended is not None
+    clock.now += 60.0
+    assert idx.score(keys, [A]) == [0.0]
+
+
+def test_an_ended_request_does_not_cut_a_later_prediction_of_the_same_blocks() -> None:
+    clock = Clock()
+    idx = index(speculative_ttl=2.0, clock=clock)
+    keys = own(PROMPT)
+    first = idx.insert_speculative(A, keys[:4], hold=60.0)
+    clock.now += 1.0
+    idx.insert_speculative(A, keys[:2], hold=60.0)  # a second request for the same prefix, queued
+    assert first is not None
+    idx.end_speculative(first)
+    clock.now += 5.0
+    assert idx.score(keys, [A]) == [0.25]  # the second request's blocks stay predicted
+
+
 def test_a_prediction_marks_only_blocks_the_engine_has_not_reported() -> None:
     clock = Clock()
     idx = index(speculative_ttl=2.0, clock=clock)
