@@ -104,7 +104,8 @@ def main(argv: list[str]) -> int:
 
 def record(endpoints_file: Path, out: Path, idle_s: float) -> int:
     """Write every message the endpoints' publishers send to `out` (one msgpack
-    `[endpoint, seconds since start, frames]` each) until none came for `idle_s`; the count."""
+    `[endpoint, seconds since start, frames]` each) until none came for `idle_s` (counted from
+    the start too); the count."""
     entries = yaml.safe_load(endpoints_file.read_text()) or []
     publishers = {e["kvEventsAddress"]: e["address"] for e in entries if e.get("kvEventsAddress")}
     if not publishers:
@@ -116,7 +117,7 @@ def record(endpoints_file: Path, out: Path, idle_s: float) -> int:
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # keep everything: a recording with holes would mislead
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.SUBSCRIBE, b"kv@")  # the subscriber's default topic filter
         socket.connect(address)
         poller.register(socket, zmq.POLLIN)
         sockets[socket] = endpoint
@@ -124,7 +125,7 @@ def record(endpoints_file: Path, out: Path, idle_s: float) -> int:
     last = started
     try:
         with out.open("wb") as file:
-            while count == 0 or time.monotonic() - last < idle_s:
+            while time.monotonic() - last < idle_s:
                 for socket, _ in poller.poll(500):
                     frames = socket.recv_multipart()
                     file.write(msgpack.packb([sockets[socket], time.monotonic() - started, frames]))
