@@ -50,7 +50,7 @@ from picker.telemetry import metrics
 log = logging.getLogger(__name__)
 
 _END_OF_REPLAY = -1
-_DRAIN_LIMIT = 64  # queued messages applied in a row before the loop serves anything else
+_DRAIN_LIMIT = 16  # queued messages applied in a row before the loop serves anything else
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +264,10 @@ class _Feed:
                     except Exception:  # a bug must not end the subscription; the state is suspect
                         log.exception("kv events: failed to apply a message from %s", self.endpoint)
                         self._set_unknown()
+                if len(batch) == _DRAIN_LIMIT:
+                    # More may be queued, and awaiting a ready socket does not yield: let the
+                    # request path run between batches (a 1,000-block message takes ~1 ms).
+                    await asyncio.sleep(0)
         finally:
             socket.disable_monitor()
             monitor.close(0)
