@@ -106,12 +106,17 @@ class PrefixMatch:
     over_bound: frozenset[str] = frozenset()
     room: Callable[[EndpointState], int] | None = None  # an endpoint's cache blocks beside its reused ones
 
-    def fits(self, state: EndpointState) -> bool:
+    def fits(self, state: EndpointState, cached_tokens: int | None = None) -> bool:
         """Whether the blocks `state`'s endpoint lacks fit in its cache beside the blocks reused
-        there recently, so placing the prompt there evicts nothing in use (True if unknown)."""
+        there recently, so placing the prompt there evicts nothing in use (True if unknown).
+        What it holds: `cached_tokens` when given (`expected_cached_tokens`), else the match."""
         if self.room is None:
             return True
-        return self.total_blocks - self.matched.get(state.address, 0) <= self.room(state)
+        if cached_tokens is None:
+            held = self.matched.get(state.address, 0)
+        else:
+            held = min(self.total_blocks, -(-cached_tokens // self.blocks.block_tokens))
+        return self.total_blocks - held <= self.room(state)
 
     @property
     def total_blocks(self) -> int:
@@ -570,7 +575,12 @@ class CacheFitScorer(ParameterlessScorer):
         match = cycle_state.read(PREFIX_MATCH_KEY)
         if match is None:
             return [1.0] * len(candidates)
-        return [1.0 if match.fits(c) else 0.0 for c in candidates]
+        if cycle_state.read(ENGINE_CACHED_TOKENS_KEY) is None:
+            return [1.0 if match.fits(c) else 0.0 for c in candidates]
+        # What the engines report, as for the TTFT cost: the approximate index's guess made the
+        # precise config count a prompt as fitting where the engine had evicted it.
+        cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
+        return [1.0 if match.fits(c, tokens) else 0.0 for c, tokens in zip(candidates, cached)]
 
 
 class TtftCostScorer(Scorer, BackgroundWork):
