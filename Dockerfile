@@ -2,7 +2,10 @@
 # `make image` builds it as ghcr.io/picker-inference/picker:<charts/picker appVersion>, the image
 # the chart runs (docker or podman), with the tokenizer extra for token-exact prefix hashing;
 # `--build-arg EXTRAS=` leaves that out (smaller, character-block prefix hashing).
-FROM python:3.11-slim-bookworm AS build
+# BASE_IMAGE: any Debian bookworm image whose `python` is Python 3.11 with venv and pip (where
+# Docker Hub is out of reach, tools/build-base-image.sh makes one from Debian's packages).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE} AS build
 ARG EXTRAS=tokenizers
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -14,7 +17,7 @@ RUN python -m venv /opt/picker \
  && tools/restore-opentelemetry-proto.sh /opt/picker/bin \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 
-FROM python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 # The picker version (make image passes the chart's appVersion, which is pyproject's version).
 ARG VERSION
 LABEL org.opencontainers.image.title=picker \

@@ -2,8 +2,9 @@
 tag the chart's appVersion (= the package version), built by docker or podman from the
 Dockerfile, with a clear message when neither can build.
 
-No container engine runs on the test machines, so a stand-in `docker` script records how
-`make image` calls it; the real Makefile, make and sh run."""
+Here a stand-in `docker` or `podman` script records how `make image` calls it (the real
+Makefile, make and sh run); tests/integration/test_image_podman.py builds and runs the image with
+a real podman."""
 
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ def stand_in_engine(directory: Path, name: str, info_exit: int = 0) -> Path:
     return directory / "calls.txt"
 
 
-def make_image(path: str) -> subprocess.CompletedProcess[str]:
+def make_image(path: str, *variables: str) -> subprocess.CompletedProcess[str]:
     make = shutil.which("make")
     assert make, "make is needed to run the Makefile"
     env = {**os.environ, "PATH": path}
     env.pop("CONTAINER_ENGINE", None)
+    env.pop("BASE_IMAGE", None)
     return subprocess.run(
-        [make, "-C", str(ROOT), "image"], env=env, capture_output=True, text=True, check=False, timeout=60
+        [make, "-C", str(ROOT), "image", *variables], env=env, capture_output=True, text=True, check=False, timeout=60
     )
 
 
@@ -65,6 +67,24 @@ def test_make_image_builds_the_image_the_chart_runs(engine, tmp_path) -> None:
         f"build --build-arg VERSION={version} -t {chart_image()} .",
     ]
     assert f"kind load docker-image {chart_image()}" in result.stdout
+
+
+def test_make_image_builds_on_another_base_image_when_asked(tmp_path) -> None:
+    calls = stand_in_engine(tmp_path / "bin", "podman")
+    result = make_image(f"{tmp_path / 'bin'}:{only_sed(tmp_path / 'tools')}", "BASE_IMAGE=localhost/base:1")
+    assert result.returncode == 0, result.stderr
+    build = calls.read_text().splitlines()[-1]
+    assert "--build-arg BASE_IMAGE=localhost/base:1 " in build
+    assert build.endswith(f"-t {chart_image()} .")
+
+
+def test_the_dockerfile_builds_and_runs_on_its_base_image_argument() -> None:
+    """BASE_IMAGE's default is the public Python image; the stage that builds the venv and the
+    final stage both use it (the venv runs on the Python it was built with)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "\nARG BASE_IMAGE=python:3.11-slim-bookworm\n" in dockerfile
+    assert "\nFROM ${BASE_IMAGE} AS build\n" in dockerfile
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.M)[-1] == "${BASE_IMAGE}"
 
 
 def test_make_image_without_docker_or_podman_says_so(tmp_path) -> None:
