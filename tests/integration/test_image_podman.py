@@ -15,6 +15,7 @@ import os
 import resource
 import shutil
 import subprocess
+import tempfile
 import tomllib
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGE_DIR = Path(os.environ.get("PICKER_IMAGE_DIR", Path.home() / ".cache" / "picker" / "images"))
 BASE_TARBALL = IMAGE_DIR / "debian-bookworm-python3.11.tar"
 BASE_IMAGE = "localhost/picker-base:bookworm"
+SHARED_MEMORY = Path("/dev/shm")
 INSTALL_HINT = "run tools/install-test-binaries.sh (make test does) to install it"
 # What the chart's probes ask (inference-extension with one replica, liveness/readiness with more).
 PROBED = ("inference-extension", "liveness", "readiness", "")
@@ -74,34 +76,48 @@ def podman_in(directory: Path) -> Podman:
     # Root here lacks CAP_SYS_RESOURCE, so a container may not raise a limit above podman's own
     # (podman's defaults do; as root it lowers its own nproc to 32768). Host networking: the build
     # reaches PyPI as the machine does, and no bridge or private-range address is made. runc:
-    # crun refuses this machine's hybrid cgroup hierarchy.
+    # crun refuses this machine's hybrid cgroup hierarchy. File locks in tmp_dir: the default
+    # shared-memory locks are one segment for every podman on the machine.
     nofile = within_hard_limit(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16)
     nproc = within_hard_limit(resource.getrlimit(resource.RLIMIT_NPROC)[1], 4096)
     containers.write_text(
         f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\nnetns = "host"\n'
-        f'[engine]\nruntime = "runc"\ntmp_dir = "{directory / "libpod"}"\n'
+        f'[engine]\nruntime = "runc"\ntmp_dir = "{directory / "libpod"}"\nlock_type = "file"\n'
     )
     env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(storage), "CONTAINERS_CONF": str(containers)}
     return Podman(binary, env)
+
+
+def store_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new directory for podman's store (about 2 GB), in memory where there is room: deleting
+    it from this machine's disk took up to 100 s while other work ran, from memory no time."""
+    if shutil.disk_usage(SHARED_MEMORY).free >= 8 << 30:
+        return Path(tempfile.mkdtemp(prefix="picker-podman-", dir=SHARED_MEMORY))
+    return tmp_path_factory.mktemp("podman")
 
 
 @pytest.fixture(scope="module")
 def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
     if not BASE_TARBALL.is_file():
         pytest.fail(f"the base image root filesystem {BASE_TARBALL} is missing: {INSTALL_HINT}", pytrace=False)
-    engine = podman_in(tmp_path_factory.mktemp("podman"))
-    engine("import", "--quiet", str(BASE_TARBALL), BASE_IMAGE)
-    yield engine
-    engine("rm", "--all", "--force")
-    engine("rmi", "--all", "--force")
+    directory = store_directory(tmp_path_factory)
+    try:
+        engine = podman_in(directory)
+        engine("import", "--quiet", str(BASE_TARBALL), BASE_IMAGE)
+        yield engine
+        engine("rm", "--all", "--force")
+    finally:
+        # Nothing of podman's may still be mounted there: then the store is only files to delete.
+        assert str(directory) not in Path("/proc/self/mounts").read_text()
+        shutil.rmtree(directory)
 
 
 @pytest.fixture(scope="module")
-def make_image(podman: Podman) -> subprocess.CompletedProcess[str]:
-    """`make image` with podman, on the Debian-built base."""
+def make_image(podman: Podman, log_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`make image` with podman, on the Debian-built base (its output in make-image.log)."""
     make = shutil.which("make")
     assert make, "make is needed to run the Makefile"
-    return subprocess.run(
+    result = subprocess.run(
         [make, "-C", str(ROOT), "image", "CONTAINER_ENGINE=podman", f"BASE_IMAGE={BASE_IMAGE}"],
         env=podman.env,
         capture_output=True,
@@ -109,6 +125,8 @@ def make_image(podman: Podman) -> subprocess.CompletedProcess[str]:
         check=False,
         timeout=1000,
     )
+    (log_dir / "make-image.log").write_text(result.stdout + result.stderr)
+    return result
 
 
 def test_make_image_builds_the_image_the_chart_runs(
