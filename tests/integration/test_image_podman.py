@@ -5,20 +5,26 @@ a request from a real Envoy to a real backend.
 
 No Docker daemon runs on the test machines and Docker Hub is out of their reach, so the base
 image is built from Debian's packages (tools/build-base-image.sh; tools/install-test-binaries.sh
-caches it and installs podman) and passed as BASE_IMAGE. podman keeps its images and state in the
-test's temporary directory, so nothing is cached between runs: every run builds from scratch."""
+caches it and installs podman) and passed as BASE_IMAGE. podman keeps its images in a store of
+its own under ~/.cache/picker that outlives the run: every run builds through `make image`, and
+a later run reuses the layers the source it builds has not changed (the dependencies' layer
+while pyproject.toml is the same). Images no tag or build cache keeps are pruned after each run."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
-import tempfile
+import time
 import tomllib
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +38,11 @@ from tests.stack import health_status, loopback_addresses, serving, start_backen
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE_DIR = Path(os.environ.get("PICKER_IMAGE_DIR", Path.home() / ".cache" / "picker" / "images"))
 BASE_TARBALL = IMAGE_DIR / "debian-bookworm-python3.11.tar"
+# podman's images and build cache (a few GB), kept between runs.
+STORE = Path(os.environ.get("PICKER_PODMAN_DIR", Path.home() / ".cache" / "picker" / "podman"))
+STORE_BUSY_TIMEOUT = 600  # seconds to wait while another run of this module uses the store
 BASE_IMAGE = "localhost/picker-base:bookworm"
+BUILD_CACHE = "localhost/picker-build-cache"  # tagged stages of the last build (their layers stay)
 SHARED_MEMORY = Path("/dev/shm")
 INSTALL_HINT = "run tools/install-test-binaries.sh (make test does) to install it"
 # What the chart's probes ask (inference-extension with one replica, liveness/readiness with more).
@@ -62,15 +72,17 @@ def within_hard_limit(limit: int, wanted: int) -> int:
     return wanted if limit == resource.RLIM_INFINITY else min(wanted, limit)
 
 
-def podman_in(directory: Path) -> Podman:
-    """podman set up for this machine, all of its files under `directory`."""
+def podman_in(store: Path, state: Path) -> Podman:
+    """podman set up for this machine: its images in `store`, its runtime state and locks in
+    `state`, which must be on a file system a reboot empties (podman then knows to reset it)."""
     binary = shutil.which("podman")
     if binary is None or shutil.which("runc") is None:
         pytest.fail(f"podman and runc are needed: {INSTALL_HINT}", pytrace=False)
-    storage, containers = directory / "storage.conf", directory / "containers.conf"
+    store.mkdir(parents=True, exist_ok=True)
+    storage, containers = store / "storage.conf", store / "containers.conf"
     # skip_mount_home: no bind mount of the store over itself that would outlive the test.
     storage.write_text(
-        f'[storage]\ndriver = "overlay"\ngraphroot = "{directory / "graph"}"\nrunroot = "{directory / "run"}"\n'
+        f'[storage]\ndriver = "overlay"\ngraphroot = "{store / "graph"}"\nrunroot = "{state / "run"}"\n'
         '[storage.options.overlay]\nskip_mount_home = "true"\n'
     )
     # Root here lacks CAP_SYS_RESOURCE, so a container may not raise a limit above podman's own
@@ -82,34 +94,50 @@ def podman_in(directory: Path) -> Podman:
     nproc = within_hard_limit(resource.getrlimit(resource.RLIMIT_NPROC)[1], 4096)
     containers.write_text(
         f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\nnetns = "host"\n'
-        f'[engine]\nruntime = "runc"\ntmp_dir = "{directory / "libpod"}"\nlock_type = "file"\n'
+        f'[engine]\nruntime = "runc"\ntmp_dir = "{state / "libpod"}"\nlock_type = "file"\n'
     )
     env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(storage), "CONTAINERS_CONF": str(containers)}
     return Podman(binary, env)
 
 
-def store_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new directory for podman's store (about 2 GB), in memory where there is room: deleting
-    it from this machine's disk took up to 100 s while other work ran, from memory no time."""
-    if shutil.disk_usage(SHARED_MEMORY).free >= 8 << 30:
-        return Path(tempfile.mkdtemp(prefix="picker-podman-", dir=SHARED_MEMORY))
-    return tmp_path_factory.mktemp("podman")
+def runtime_state_directory(store: Path) -> Path:
+    """Where podman keeps the runtime state of `store`: in memory, one directory per store."""
+    return SHARED_MEMORY / f"picker-podman-{hashlib.sha256(str(store).encode()).hexdigest()[:16]}"
+
+
+@contextmanager
+def holding(lock_file: Path, timeout: float) -> Iterator[None]:
+    """An exclusive lock on `lock_file` while the block runs: one run of this module at a time
+    uses the store (another would retag the image this one tests). Fails after `timeout` s."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as held:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{lock_file} is still locked by another run after {timeout} s", pytrace=False)
+                time.sleep(1)  # polls the lock: another run holds it for minutes
+        yield
 
 
 @pytest.fixture(scope="module")
-def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
+def podman() -> Iterator[Podman]:
     if not BASE_TARBALL.is_file():
         pytest.fail(f"the base image root filesystem {BASE_TARBALL} is missing: {INSTALL_HINT}", pytrace=False)
-    directory = store_directory(tmp_path_factory)
-    try:
-        engine = podman_in(directory)
+    with holding(STORE / "lock", STORE_BUSY_TIMEOUT):
+        engine = podman_in(STORE, runtime_state_directory(STORE))
+        engine("rm", "--all", "--force")  # what an interrupted run left
+        # The same tarball imports as the same image, so the layers built on it stay cached.
         engine("import", "--quiet", str(BASE_TARBALL), BASE_IMAGE)
-        yield engine
-        engine("rm", "--all", "--force")
-    finally:
-        # Nothing of podman's may still be mounted there: then the store is only files to delete.
-        assert str(directory) not in Path("/proc/self/mounts").read_text()
-        shutil.rmtree(directory)
+        try:
+            yield engine
+        finally:
+            engine("rm", "--all", "--force")
+            # The images this run replaced; the tagged ones and the build cache stay.
+            engine("image", "prune", "--force", timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +154,20 @@ def make_image(podman: Podman, log_dir: Path) -> subprocess.CompletedProcess[str
         timeout=1000,
     )
     (log_dir / "make-image.log").write_text(result.stdout + result.stderr)
+    if result.returncode == 0:
+        keep_build_stages(podman)
     return result
+
+
+def keep_build_stages(podman: Podman) -> None:
+    """Tags the last image of each named stage of the Dockerfile (all in the layer cache: no step
+    runs again), so that pruning keeps them and their layers for the next run: no tag, no child
+    of a tagged image, and podman image prune deletes a stage's layers, the dependencies' too."""
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", (ROOT / "Dockerfile").read_text(), re.M | re.I)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    build_args = ["--build-arg", f"VERSION={version}", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}"]
+    for stage in stages:
+        podman("build", "--quiet", "--target", stage, *build_args, "-t", f"{BUILD_CACHE}:{stage}", str(ROOT))
 
 
 def test_make_image_builds_the_image_the_chart_runs(
