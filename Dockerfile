@@ -2,24 +2,47 @@
 # `make image` builds it as ghcr.io/picker-inference/picker:<charts/picker appVersion>, the image
 # the chart runs (docker or podman), with the tokenizer extra for token-exact prefix hashing;
 # `--build-arg EXTRAS=` leaves that out (smaller, character-block prefix hashing).
-FROM python:3.11-slim-bookworm AS build
+# BASE_IMAGE: any Debian bookworm image whose `python` is Python 3.11 with venv and pip (where
+# Docker Hub is out of reach, tools/build-base-image.sh makes one from Debian's packages).
+# Layer order: the dependencies install in a stage that depends on pyproject.toml alone, picker
+# itself is built as a wheel after it, so a change to picker's source reuses the slow layers.
+# A stage that builds another wheel (a compiled extension, say) fits beside `wheel`, on
+# ${BASE_IMAGE}; the final stage copies its /wheels too and installs both in one pip call.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# The venv with picker's dependencies only (PyPI downloads: the slow part of the build).
+FROM ${BASE_IMAGE} AS deps
 ARG EXTRAS=tokenizers
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY picker ./picker
-COPY tools/restore-opentelemetry-proto.sh ./tools/
-RUN python -m venv /opt/picker \
- && /opt/picker/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
+COPY pyproject.toml ./
+COPY tools/pyproject-requirements.py tools/restore-opentelemetry-proto.sh ./tools/
+RUN python tools/pyproject-requirements.py pyproject.toml "$EXTRAS" > requirements.txt \
+ && python -m venv /opt/picker \
+ && /opt/picker/bin/pip install -r requirements.txt \
  && tools/restore-opentelemetry-proto.sh /opt/picker/bin \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 
-FROM python:3.11-slim-bookworm
+# picker as a wheel, without its dependencies.
+FROM deps AS wheel
+COPY README.md ./
+COPY picker ./picker
+RUN /opt/picker/bin/pip wheel --no-deps --wheel-dir /wheels .
+
+FROM ${BASE_IMAGE}
+COPY --from=deps /opt/picker /opt/picker
+# Copied, not mounted: podman 4.3 mounts a cached stage empty (podman#16281). The wheel (under
+# 1 MB) stays in that layer. pip check fails the build when the dependencies installed differ
+# from those picker asks for.
+COPY --from=wheel /wheels /tmp/wheels
+RUN PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    /opt/picker/bin/pip install --no-deps --no-index /tmp/wheels/*.whl \
+ && /opt/picker/bin/pip check \
+ && rm -r /tmp/wheels
 # The picker version (make image passes the chart's appVersion, which is pyproject's version).
 ARG VERSION
 LABEL org.opencontainers.image.title=picker \
       org.opencontainers.image.version=$VERSION
-COPY --from=build /opt/picker /opt/picker
 # The root filesystem is read-only in the chart: no .pyc writes, caches under /tmp (an emptyDir).
 ENV PATH=/opt/picker/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
