@@ -161,6 +161,17 @@ def expected_cached_tokens(match: PrefixMatch, cycle_state: CycleState, addresse
     return [min(engine_cached.get(a, 0), limit) for a in addresses]
 
 
+def prompt_and_cached_tokens(
+    request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+) -> tuple[int, list[int]]:
+    """The prompt's tokens and each candidate's expected cached share of them (none without a
+    prefix match: the request's own estimate, nothing cached), for latency predictions."""
+    match = cycle_state.read(PREFIX_MATCH_KEY)
+    if match is None:
+        return request.estimated_prompt_tokens(), [0] * len(candidates)
+    return match.blocks.prompt_tokens, expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
+
+
 PROMPT_BLOCKS_KEY = StateKey("PromptBlocks", PromptBlocks)
 # Set once prepare_async has hashed the prompt (blocks or none), so prepare does not hash again.
 _HASHED_KEY = StateKey("approx-prefix-cache-producer/hashed", bool)
@@ -639,13 +650,7 @@ class TtftCostScorer(Scorer, BackgroundWork):
         cycle_state: CycleState,
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
-        match = cycle_state.read(PREFIX_MATCH_KEY)
-        if match is not None:
-            prompt_tokens = match.blocks.prompt_tokens
-            cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
-        else:
-            prompt_tokens = request.estimated_prompt_tokens()
-            cached = [0] * len(candidates)
+        prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
         model, weight = self.model, self.interference_weight
         now = model.clock()
         estimates = [model.estimate(c, prompt_tokens, hit, now, weight) for c, hit in zip(candidates, cached)]
