@@ -20,7 +20,6 @@ import re
 import resource
 import shutil
 import subprocess
-import time
 import tomllib
 import urllib.request
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from picker.bench.process import ManagedProcess, free_port
+from picker.bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.charts import chart_image
 from tests.stack import health_status, loopback_addresses, serving, start_backends, start_envoy
 
@@ -111,15 +110,16 @@ def holding(lock_file: Path, timeout: float) -> Iterator[None]:
     uses the store (another would retag the image this one tests). Fails after `timeout` s."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with lock_file.open("w") as held:
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def acquired() -> bool:
             try:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{lock_file} is still locked by another run after {timeout} s", pytrace=False)
-                time.sleep(1)  # polls the lock: another run holds it for minutes
+                return False
+            return True
+
+        # Another run holds it for minutes: poll gently.
+        wait_until(acquired, timeout, f"{lock_file} to be unlocked by another run", interval=1.0)
         yield
 
 
