@@ -10,7 +10,6 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
@@ -21,11 +20,11 @@ from picker.config.loader import build, parse_text
 from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datastore.store import Datastore
-from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
+from picker.extproc.servicer import ExtProcSettings
 from picker.framework.request import Api, InferenceRequest, Usage
 from picker.request.attribute_reporter import RequestAttributeReporter
 from picker.requestcontrol.director import Director
-from tests.unit.test_extproc_stream import ENDPOINTS, body, headers
+from tests.unit.test_extproc_stream import ENDPOINTS, body, headers, serving
 
 COST = "x-gateway-inference-request-cost"
 REQUEST = InferenceRequest("r1", Api.COMPLETIONS, "m", "m", prompt_text="hello")
@@ -150,17 +149,8 @@ async def stub() -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
     store.set_endpoints(ENDPOINTS)
     runtimes = RuntimeHolder(store)
     runtimes.load_text(config_text(REFERENCE_ATTRIBUTE))
-    server = grpc.aio.server()
-    settings = ExtProcSettings(close_wait_seconds=0.1)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(Director(store, runtimes), settings), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield pb_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with serving(Director(store, runtimes), ExtProcSettings(close_wait_seconds=0.1)) as stub:
+        yield stub
 
 
 def response_headers(content_type: str) -> pb.ProcessingRequest:

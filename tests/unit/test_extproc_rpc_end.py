@@ -22,9 +22,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from picker.extproc.servicer import ExternalProcessor, ExtProcSettings
+from picker.extproc.servicer import ExtProcSettings
 from picker.requestcontrol.director import Director
-from tests.unit.test_extproc_stream import ENDPOINTS, body, director, headers
+from tests.unit.test_extproc_stream import ENDPOINTS, body, director, headers, serving
 
 BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
 
@@ -45,18 +45,9 @@ def picker_director() -> Director:
 
 @pytest.fixture
 async def stub(picker_director: Director) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
-    server = grpc.aio.server()
     # A short wait for the proxy's close: the stand-in below closes only when a test says so.
-    settings = ExtProcSettings(close_wait_seconds=0.5)
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker_director, settings), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield pb_grpc.ExternalProcessorStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(None)
+    async with serving(picker_director, ExtProcSettings(close_wait_seconds=0.5)) as stub:
+        yield stub
 
 
 async def exchange(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStreamCall:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +18,7 @@ from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.extproc.messages import BODY_CHUNK_BYTES, BUFFERED, FULL_DUPLEX_STREAMED, STREAMED
-from picker.extproc.servicer import ExtProcSettings, _Stream
+from picker.extproc.servicer import ExternalProcessor, ExtProcSettings, _Stream
 from picker.request.errors import RequestError
 from picker.requestcontrol.director import Director
 
@@ -25,6 +29,21 @@ def director() -> Director:
     store = Datastore()
     store.set_endpoints(ENDPOINTS)
     return Director(store, RuntimeHolder(store))
+
+
+@asynccontextmanager
+async def serving(picker: Director, settings: ExtProcSettings) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
+    """A real grpc.aio server with the ext_proc servicer on a free port, and a stub to it."""
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, settings), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 def headers(
