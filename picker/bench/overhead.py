@@ -139,6 +139,15 @@ def _stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (Linux /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process and its live descendants have used so far (Linux /proc)."""
     children: dict[int, list[int]] = {}
@@ -188,6 +197,13 @@ def chunk_cost(
     return ChunkCost(extra, (streamed_cpu - plain_cpu) / max(extra, 1e-9) * 1e6, errors)
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that makes `python -m picker...` import `tree`'s sources. PYTHONPATH alone
+    is not enough: `-m` puts the working directory (this checkout) ahead of it on sys.path, so a
+    baseline started from here ran this checkout's code; PYTHONSAFEPATH (Python 3.11) leaves it out."""
+    return {**os.environ, "PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
+
+
 def start_picker(
     label: str,
     tree: Path | None,
@@ -202,7 +218,7 @@ def start_picker(
     processes in front of the backend; it, its gRPC port and the seconds from process start to
     SERVING."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
-    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    env = None if tree is None else tree_env(tree)
     endpoints = ",".join(f"127.0.0.1:{port}" for port in backend_ports)
     argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", endpoints]
     argv += ["--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", str(health)]
@@ -345,19 +361,25 @@ def main(argv: list[str] | None = None) -> int:
                 body_file.write_bytes(body)
                 rate = asyncio.run(fixed_rate(url, body, args.rate, args.seconds))
                 cpu_before = cpu_seconds(pid) if pid is not None else 0.0
+                busy_before, total_before = machine_cpu()
                 sat, sent = saturation(url, body_file, args.saturation_seconds)
                 # The picker's own CPU per request at saturation: steadier than rates on a shared box.
                 cpu_us = (cpu_seconds(pid) - cpu_before) / max(sent, 1) * 1e6 if pid is not None else 0.0
+                # How busy the whole machine was meanwhile: near 100%, no variant can go faster here.
+                busy_after, total_after = machine_cpu()
+                busy = (busy_after - busy_before) / max(total_after - total_before, 1e-9)
                 results.setdefault(name, {})[label] = {
                     "p50_ms": rate.p50_ms,
                     "p99_ms": rate.p99_ms,
                     "errors": rate.errors,
                     "max_rps": sat,
                     "picker_cpu_us": cpu_us,
+                    "machine_busy": busy,
                 }
                 print(
                     f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
-                    f"errors {rate.errors}  max {sat:7.0f} req/s  picker CPU {cpu_us:6.0f} µs/req",
+                    f"errors {rate.errors}  max {sat:7.0f} req/s  picker CPU {cpu_us:6.0f} µs/req  "
+                    f"machine {busy:4.0%} busy",
                     flush=True,
                 )
             if pid is not None and "FULL_DUPLEX" in name and args.stream_chunks:
@@ -372,14 +394,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
             envoy.stop()
         base = results["envoy alone"]
-        print("\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | picker CPU µs/req |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(
+            "\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | picker CPU µs/req "
+            "| machine busy at max |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, by_size in results.items():
             for label, r in by_size.items():
                 print(
                     f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                     f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
-                    f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} |"
+                    f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} | {r['machine_busy']:.0%} |"
                 )
         if chunk_costs:
             print(f"\nStreamed answers: {args.stream_chunks} SSE events, 2 KB requests, {args.stream_rate:g} req/s")

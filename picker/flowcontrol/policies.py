@@ -141,8 +141,7 @@ class RoundRobinFairnessPolicy(FairnessPolicy):
     def pick(self, flows: Mapping[str, FlowView], state: Any) -> str | None:
         assert isinstance(state, RoundRobinCursor)
         if not flows:
-            state.last = None
-            return None
+            return None  # the cursor stays: a band that drains must not favour the lowest id next
         ids: Sequence[str] = sorted(flows)
         index = 0 if state.last is None else bisect.bisect_right(ids, state.last) % len(ids)
         state.last = ids[index]

@@ -124,7 +124,8 @@ def decode_message(frames: Sequence[bytes]) -> EventMessage:
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one msgpack `EventBatch` (also the payload of a replayed message)."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # Arrays as tuples: the events keep them as they come, without a copy.
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
         raise EventDecodeError(f"payload is not valid msgpack: {exc}") from exc
     if isinstance(raw, (list, tuple)):
@@ -224,12 +225,14 @@ def _block_removed(f: dict[str, Any], index: int) -> BlockRemoved:
 def _hashes(raw: Any, index: int) -> tuple[int, ...]:
     if not isinstance(raw, (list, tuple)):
         raise EventDecodeError(f"event {index}: block_hashes must be an array")
-    if all(type(h) is int for h in raw):
+    hashes = tuple(raw)
+    if set(map(type, hashes)) == {int}:
         try:
-            return tuple(array("Q", raw))  # every hash already a uint64: the common case, in C
+            array("Q", hashes)  # every hash already a uint64 (the common case), checked in C
+            return hashes
         except OverflowError:
             pass  # negative or wider ints: masked one by one
-    return tuple(_hash(h, index) for h in raw)
+    return tuple(_hash(h, index) for h in hashes)
 
 
 def _hash(raw: Any, index: int) -> int:

@@ -4,8 +4,9 @@ Scores each candidate by the tier-weighted longest prefix of the request's token
 its engine reports cached (see `picker.kvevents.precise`). The request's blocks come from the
 `PromptBlocks` the prefix producer computes once per request (`approx-prefix-cache-producer`,
 added by default); character blocks (no tokenizer) cannot be matched and score 0. After the
-pick the scorer predicts the target will cache the prompt (speculative entries, `speculativeTTL`)
-and records the request's scope so the engine's coming events land in it.
+pick the scorer predicts the target will cache the prompt (speculative entries) while the
+request is in flight and `speculativeTTL` after it ends, and records the request's scope so the
+engine's coming events land in it.
 
 Parameters (llm-d's names where they exist):
 - `kvEventsPort` (5557): the publisher port on each endpoint's IP, for endpoints without a
@@ -16,7 +17,9 @@ Parameters (llm-d's names where they exist):
   topic (`kv@<pod>@<model>`) names none.
 - `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
   block size, the producer's hashes are used as they are, else re-hashed from the token ids.
-- `tierWeights` ({gpu: 1.0, cpu: 0.8}), `speculativeTTL` ("2s"; 0 disables),
+- `tierWeights` ({gpu: 1.0, cpu: 0.8}), `speculativeTTL` ("2s"; 0 disables predictions),
+  `speculativeHold` ("60s": the longest a prediction waits for its request to end; 0 counts
+  `speculativeTTL` from the pick, which forgot prefixes queued at a busy engine),
   `capacityPerEndpoint` (200000 blocks; with `autoTune`, 2 x the engine's GPU blocks when
   scraped), `replayTimeout` ("1s").
 
@@ -38,12 +41,13 @@ from picker.framework.plugin import (
     BackgroundWork,
     DataProducer,
     PreRequest,
+    ResponseComplete,
     SchedulingResult,
     Scorer,
     ScorerCategory,
 )
-from picker.framework.request import InferenceRequest
-from picker.kvevents.precise import PreciseIndex, TierWeights
+from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.kvevents.precise import PreciseIndex, Prediction, TierWeights
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
@@ -52,6 +56,8 @@ from picker.prefix.prompt_blocks import TOKENS
 _RUNTIME_KEY = "kvevents/precise-index"
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
+# The pick's prediction, ended with the request.
+_PREDICTION_KEY = StateKey("precise-prefix-cache-scorer/prediction", Prediction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,7 @@ class PreciseConfig:
     block_size: int = 16
     weights: TierWeights = field(default_factory=TierWeights)
     speculative_ttl: float = 2.0
+    speculative_hold: float = 60.0
     capacity: int = 200_000
     auto_tune: bool = True
 
@@ -90,6 +97,7 @@ class PreciseConfig:
             block_size=p.integer("blockSizeTokens", 16, at_least=1),
             weights=weights,
             speculative_ttl=p.duration("speculativeTTL", 2.0),
+            speculative_hold=p.duration("speculativeHold", 60.0),
             capacity=p.integer("capacityPerEndpoint", 200_000, at_least=1),
             auto_tune=p.boolean("autoTune", True),
         )
@@ -123,7 +131,7 @@ class PreciseRuntime:
             await self.subscriber.stop()
 
 
-class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
+class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, BackgroundWork):
     """`precise-prefix-cache-scorer`: see the module docstring."""
 
     plugin_type = "precise-prefix-cache-scorer"
@@ -199,7 +207,15 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, BackgroundWork):
         blocks = result.cycle_state.read(PROMPT_BLOCKS_KEY)
         if blocks is not None and blocks.token_ids is not None:
             self.index.record_scope(address, blocks.token_ids, request.target_model, request.cache_salt, request.tenant)
-        self.index.insert_speculative(address, hashes)
+        prediction = self.index.insert_speculative(address, hashes, self.runtime.config.speculative_hold)
+        if prediction is not None:
+            result.cycle_state[_PREDICTION_KEY] = prediction
+
+    def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
+        """The request ended: its blocks are stored (or never will be); the prediction winds down."""
+        prediction = result.cycle_state.read(_PREDICTION_KEY)
+        if prediction is not None:
+            self.index.end_speculative(prediction)
 
     def block_hashes(self, cycle_state: CycleState) -> tuple[int, ...]:
         """The request's token-block hashes at the index's block size (computed at most once)."""

@@ -21,16 +21,22 @@ Every later block follows its parent's own key, so the whole chain stays in the 
 block's scope.
 
 Tiers: a block can be on the GPU, on CPU (offloaded), and "speculative" (inserted after a pick,
-counted as GPU until `speculative_ttl` passes without a confirming event).
+counted as GPU until `speculative_ttl` passes without a confirming event; a prediction made with
+`hold` lasts while its request is in flight, up to `hold` seconds, and `speculative_ttl` after
+`end_speculative`: a request queued at a busy engine stores its blocks only when it runs).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+import operator
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Final
 
 from picker.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -74,9 +80,27 @@ def _seed(model: str, cache_salt: str | None, tenant: str | None) -> int:
 # blocks whose tokens those are). A plain tuple of ints and int tuples because CPython's garbage
 # collector stops tracking those (not a NamedTuple or a slotted class, which stay tracked): the
 # index holds one per cached block of every endpoint (see `picker.prefix.holders`).
+# The commonest block, one own key of the same size held on the GPU alone, is stored as that
+# key: no tuple to build per block, and bulk dict operations apply whole events at once.
 _EngineBlock = tuple[tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...]]
+_Stored = int | _EngineBlock
 OWN_KEYS: Final = 0
 TIERS: Final = 1
+
+
+def _expand(block: _Stored) -> _EngineBlock:
+    """An engine block in its full form."""
+    if type(block) is int:
+        return ((block,), GPU, block, (), ())
+    return block  # type: ignore[return-value]
+
+
+def _packed(block: _EngineBlock) -> _Stored:
+    """An engine block in its shortest form."""
+    own_keys, tiers, tail_parent, tail_tokens, _ = block
+    if tiers == GPU and len(own_keys) == 1 and own_keys[0] == tail_parent and not tail_tokens:
+        return tail_parent
+    return block
 
 
 def _with_tiers(block: _EngineBlock, tiers: int) -> _EngineBlock:
@@ -89,6 +113,17 @@ def _with_own_key(block: _EngineBlock, key: int) -> _EngineBlock:
     return ((*own_keys, key), tiers, tail_parent, tail_tokens, tail_engine)
 
 
+class Prediction:
+    """The blocks one pick predicted at an endpoint, and until when (`insert_speculative`)."""
+
+    __slots__ = ("deadline", "endpoint", "keys")
+
+    def __init__(self, endpoint: str, deadline: float, keys: list[int]) -> None:
+        self.endpoint = endpoint
+        self.deadline = deadline
+        self.keys = keys  # emptied when the prediction ends or is replaced
+
+
 class _EndpointCache:
     """What the index knows about one endpoint."""
 
@@ -99,7 +134,7 @@ class _EndpointCache:
         self.capacity = capacity
         self.known = True
         self.tiers: dict[int, int] = {}  # own key -> tier bits; insertion order = oldest first
-        self.engine: dict[int, _EngineBlock] = {}  # engine hash -> mapping
+        self.engine: dict[int, _Stored] = {}  # engine hash -> mapping
         self.speculative: dict[int, float] = {}  # own key -> expiry (monotonic seconds)
         self.groups: set[int | None] = set()  # KV-cache groups seen in BlockStored
         # Own keys spanning several engine blocks (block sizes differ): the engine blocks each
@@ -143,7 +178,9 @@ class PreciseIndex:
         self._below_top: dict[int, dict[str, float]] = {}
         self._holder_sets = HolderSets()
         self._caches: dict[str, _EndpointCache] = {}
-        self._expiries: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        # (deadline, sequence, prediction): a heap, as held predictions end out of order.
+        self._expiries: list[tuple[float, int, Prediction]] = []
+        self._predictions = itertools.count()
         self._scope_hints: dict[tuple[str, int], int] = {}
 
     # -- endpoints -----------------------------------------------------------------------------
@@ -226,9 +263,10 @@ class PreciseIndex:
         if len(event.token_ids) < len(hashes) * size:
             # An offload event (e.g. GPU -> CPU) names blocks already known, without tokens.
             for h in hashes:
-                block = engine.get(h)
-                if block is not None:
-                    engine[h] = _with_tiers(block, block[TIERS] | tier)
+                found = engine.get(h)
+                if found is not None:
+                    block = _expand(found)
+                    engine[h] = _packed(_with_tiers(block, block[TIERS] | tier))
                     self._add(endpoint, cache, block[OWN_KEYS], tier)
             return
         if event.parent_block_hash is None:
@@ -239,7 +277,7 @@ class PreciseIndex:
             parent = engine.get(event.parent_block_hash)
             if parent is None:
                 return  # its chain was never seen (joined mid-stream): placing it would be a guess
-            _, _, parent_own, tail_tokens, tail_engine = parent
+            _, _, parent_own, tail_tokens, tail_engine = _expand(parent)
         own_size = self.block_size
         base = len(tail_tokens)
         tokens = event.token_ids[: len(hashes) * size]
@@ -247,22 +285,25 @@ class PreciseIndex:
             tokens = tail_tokens + tokens
         own = token_block_hashes(tokens, own_size, parent_own)
         if size == own_size:  # the common case: one own key per engine block, no tails
-            for h, key in zip(hashes, own):
-                previous = engine.pop(h, None)
-                tiers = tier
-                if previous is not None:
-                    tiers |= previous[TIERS]
-                    for old in previous[OWN_KEYS]:
-                        if old != key:
-                            self._remove(endpoint, cache, old, previous[TIERS])
-                engine[h] = ((key,), tiers, key, (), ())
+            if tier == GPU and engine.keys().isdisjoint(hashes):
+                engine.update(zip(hashes, own))  # new blocks (a prompt's uncached part): in bulk
+            else:
+                for h, key in zip(hashes, own):
+                    previous = engine.pop(h, None)
+                    tiers = tier
+                    if previous is not None:
+                        old = _expand(previous)
+                        tiers |= old[TIERS]
+                        if old[OWN_KEYS] != (key,):  # stored again under other tokens
+                            self._remove(endpoint, cache, [k for k in old[OWN_KEYS] if k != key], old[TIERS])
+                    engine[h] = key if tiers == GPU else ((key,), tiers, key, (), ())
             self._add(endpoint, cache, own, tier)
             self._bound_engine(cache)
             return
         if base and own:  # the first own block also covers the parent's tail blocks
             for h in tail_engine:
-                block = engine.get(h)
-                if block is not None and own[0] not in block[OWN_KEYS]:
+                found = engine.get(h)
+                if found is not None and own[0] not in (block := _expand(found))[OWN_KEYS]:
                     engine[h] = _with_own_key(block, own[0])
         # Block sizes differ: an own key may need several engine blocks.
         covers: list[list[int]] = [[] for _ in own]
@@ -283,17 +324,18 @@ class PreciseIndex:
             else:
                 block_tail = tokens[tail_start:end]
                 block_tail_engine = hashes[(tail_start - base) // size : i + 1]
-            previous = engine.pop(h, None)
+            popped = engine.pop(h, None)
+            previous = None if popped is None else _expand(popped)
             if previous is not None:
-                for key in previous[OWN_KEYS]:
-                    if key not in keys:
-                        self._remove(endpoint, cache, key, previous[TIERS])
-            engine[h] = (
-                tuple(keys),
-                tier | (previous[TIERS] if previous is not None else 0),
-                own[complete - 1] if complete else parent_own,
-                block_tail,
-                block_tail_engine,
+                self._remove(endpoint, cache, [k for k in previous[OWN_KEYS] if k not in keys], previous[TIERS])
+            engine[h] = _packed(
+                (
+                    tuple(keys),
+                    tier | (previous[TIERS] if previous is not None else 0),
+                    own[complete - 1] if complete else parent_own,
+                    block_tail,
+                    block_tail_engine,
+                )
             )
             self._add(endpoint, cache, keys, tier)
             for j in range(start // own_size, min((end - 1) // own_size + 1, len(own))):
@@ -330,7 +372,7 @@ class PreciseIndex:
                     continue
                 covering = cache.cover.get(key, ())
                 found = [engine.get(b) for b in covering]
-                blocks = [block for block in found if block is not None]
+                blocks = [_expand(block) for block in found if block is not None]
                 if not blocks or len(blocks) != len(found):  # some covered block is not stored
                     continue
                 tier = GPU | CPU
@@ -365,17 +407,26 @@ class PreciseIndex:
         if tier == GPU:
             tier |= SPECULATIVE  # an eviction overrides a prediction
         engine = cache.engine
-        for h in event.block_hashes:
-            block = engine.get(h)
-            if block is None:
+        hashes = event.block_hashes
+        found = list(map(engine.get, hashes))
+        if tier & GPU and set(map(type, found)) <= _KEY_OR_NONE:
+            # Blocks held on the GPU alone (or unknown): each leaves with its one key, in bulk.
+            held: list[int] = list(filter(_is_key, found))  # type: ignore[arg-type]  # ints, as checked
+            deque(map(engine.pop, hashes, itertools.repeat(None)), maxlen=0)
+            self._remove(endpoint, cache, held, tier)
+            return
+        keys: list[int] = []
+        for h, stored in zip(hashes, found):
+            if stored is None:
                 continue
+            block = _expand(stored)
             left = block[TIERS] & ~tier
             if left:
-                engine[h] = _with_tiers(block, left)
+                engine[h] = _packed(_with_tiers(block, left))
             else:
                 del engine[h]
-            for key in block[OWN_KEYS]:
-                self._remove(endpoint, cache, key, tier)
+            keys.extend(block[OWN_KEYS])
+        self._remove(endpoint, cache, keys, tier)
 
     # -- request path --------------------------------------------------------------------------
 
@@ -426,24 +477,43 @@ class PreciseIndex:
             matched[e] = position
         return [(matched.get(e, 0) * top - deficit.get(e, 0.0)) / total for e in endpoints]
 
-    def insert_speculative(self, endpoint: str, block_hashes: Sequence[int]) -> None:
+    def insert_speculative(self, endpoint: str, block_hashes: Sequence[int], hold: float = 0.0) -> Prediction | None:
         """Predict that `endpoint` will cache `block_hashes` (the pick just sent them there);
-        the prediction counts as GPU until `speculative_ttl` unless an event confirms it."""
+        the prediction counts as GPU until `speculative_ttl` unless an event confirms it, or with
+        `hold` until `end_speculative` (the request ended) and `speculative_ttl` more, at most
+        `hold` seconds. None if nothing was predicted."""
         if not block_hashes or self.speculative_ttl <= 0:
-            return
+            return None
         cache = self._caches.get(endpoint)
         if cache is None:
-            return
+            return None
         now = self._clock()
         self._expire(now)
         held = cache.tiers
-        fresh = tuple(key for key in block_hashes if not held.get(key, 0) & GPU)  # the rest is cached already
+        on_gpu = map(operator.and_, map(held.get, block_hashes, itertools.repeat(0)), itertools.repeat(GPU))
+        fresh = list(itertools.compress(block_hashes, map(operator.not_, on_gpu)))  # the rest is cached already
         if not fresh:
-            return
-        deadline = now + self.speculative_ttl
-        cache.speculative.update(dict.fromkeys(fresh, deadline))
+            return None
+        prediction = Prediction(endpoint, now + max(self.speculative_ttl, hold), fresh)
+        cache.speculative.update(dict.fromkeys(fresh, prediction.deadline))
         self._add(endpoint, cache, fresh, SPECULATIVE)
-        self._expiries.append((deadline, endpoint, fresh))
+        heapq.heappush(self._expiries, (prediction.deadline, next(self._predictions), prediction))
+        return prediction
+
+    def end_speculative(self, prediction: Prediction) -> None:
+        """The request of `prediction` ended: it lasts `speculative_ttl` more (for the engine's
+        events to arrive). Keys a later prediction holds keep that one's deadline."""
+        cache = self._caches.get(prediction.endpoint)
+        keys, prediction.keys = prediction.keys, []  # its heap entry lets go of them now
+        if cache is None or not keys:
+            return
+        still_mine = map(operator.eq, itertools.repeat(prediction.deadline), map(cache.speculative.get, keys))
+        mine = list(itertools.compress(keys, still_mine))
+        if not mine:
+            return
+        ending = Prediction(prediction.endpoint, self._clock() + self.speculative_ttl, mine)
+        cache.speculative.update(dict.fromkeys(mine, ending.deadline))
+        heapq.heappush(self._expiries, (ending.deadline, next(self._predictions), ending))
 
     def record_scope(
         self,
@@ -472,7 +542,12 @@ class PreciseIndex:
         cache = self._caches.get(endpoint)
         if cache is None:
             return set()
-        return {h for h, block in cache.engine.items() if block[TIERS] & tier}
+        return {h for h, block in cache.engine.items() if _expand(block)[TIERS] & tier}
+
+    def predicted_until(self, endpoint: str) -> float | None:
+        """The latest deadline of the endpoint's predictions (None without any)."""
+        cache = self._caches.get(endpoint)
+        return max(cache.speculative.values()) if cache is not None and cache.speculative else None
 
     def own_keys(self, endpoint: str) -> dict[int, int]:
         """Own key -> tier bits for `endpoint`."""
@@ -485,65 +560,108 @@ class PreciseIndex:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add(self, endpoint: str, cache: _EndpointCache, keys: Iterable[int], tier: int) -> None:
+    # Changes come in runs (the blocks of one event or prediction) and are applied with bulk
+    # dict operations where the run allows: per block they cost several times less than a loop.
+
+    def _add(self, endpoint: str, cache: _EndpointCache, keys: Sequence[int], tier: int) -> None:
+        """`endpoint` holds `keys` on `tier` (as well as where it held them)."""
         held = cache.tiers
-        publish = self._publish
-        for key in keys:
-            old = held.pop(key, 0)
-            held[key] = tiers = old | tier  # re-inserted: newest last
-            if tiers != old:
-                publish(endpoint, key, tiers)
+        if self._tier_weights[tier] == self._top and held.keys().isdisjoint(keys):
+            held.update(dict.fromkeys(keys, tier))  # none held before: no weights to record
+            self._join(endpoint, keys)
+        else:
+            joined: list[int] = []
+            # Weights need recording only below the top, or to clear an entry that was.
+            weigh = self._weigh if self._below_top or self._tier_weights[tier] < self._top else None
+            for key in keys:
+                old = held.pop(key, 0)
+                held[key] = tiers = old | tier  # re-inserted: newest last
+                if tiers != old:
+                    if not old:
+                        joined.append(key)
+                    if weigh is not None:
+                        weigh(endpoint, key, tiers)
+            if joined:
+                self._join(endpoint, joined)
         if len(held) > cache.capacity:
             self._enforce_capacity(endpoint, cache)
 
-    def _remove(self, endpoint: str, cache: _EndpointCache, key: int, tier: int) -> None:
-        tiers = cache.tiers.get(key)
-        if tiers is None or not tiers & tier:
+    def _remove(self, endpoint: str, cache: _EndpointCache, keys: Sequence[int], tier: int) -> None:
+        """`endpoint` no longer holds `keys` on `tier`."""
+        held = cache.tiers
+        found = list(map(held.get, keys))
+        if set(found) <= _EMPTIED_BY[tier]:  # every key leaves (a GPU eviction, an expiry): in bulk
+            deque(map(held.pop, keys, itertools.repeat(None)), maxlen=0)
+            if cache.speculative:
+                deque(map(cache.speculative.pop, keys, itertools.repeat(None)), maxlen=0)
+            self._leave(endpoint, keys)
             return
-        tiers &= ~tier
-        if tier & SPECULATIVE:
-            cache.speculative.pop(key, None)
-        if tiers:
-            cache.tiers[key] = tiers
-        else:
-            del cache.tiers[key]
-        self._publish(endpoint, key, tiers)
-
-    def _publish(self, endpoint: str, key: int, tiers: int) -> None:
-        """Make the index say `endpoint` holds `key` on `tiers` (0 = not at all)."""
-        where = self._where
-        holders = where.get(key, NOBODY)
-        if tiers:
-            if endpoint not in holders:
-                where[key] = self._holder_sets.add(holders, endpoint)
-            w = self._tier_weights[tiers]
-            if w < self._top:
-                self._below_top.setdefault(key, {})[endpoint] = w
-                return
-        else:
-            if endpoint not in holders:
-                return
-            rest = self._holder_sets.remove(holders, endpoint)
-            if rest:
-                where[key] = rest
+        speculative = cache.speculative if tier & SPECULATIVE else None
+        left: list[int] = []
+        weights, top = self._tier_weights, self._top
+        for key in keys:
+            tiers = held.get(key)  # not `found`: a key may be listed twice (spanning engine blocks)
+            if tiers is None or not tiers & tier:
+                continue
+            if speculative:
+                speculative.pop(key, None)
+            tiers &= ~tier
+            if tiers:
+                held[key] = tiers
+                if self._below_top or weights[tiers] < top:
+                    self._weigh(endpoint, key, tiers)
             else:
-                del where[key]
+                del held[key]
+                left.append(key)
+        if left:
+            self._leave(endpoint, left)
+
+    def _join(self, endpoint: str, keys: Sequence[int]) -> None:
+        """`endpoint` now holds each of `keys`."""
+        where = self._where
+        before = list(map(where.get, keys, itertools.repeat(NOBODY)))
+        add = self._holder_sets.add
+        after = {holders: add(holders, endpoint) for holders in set(before)}
+        where.update(zip(keys, map(after.__getitem__, before)))
+
+    def _leave(self, endpoint: str, keys: Sequence[int]) -> None:
+        """`endpoint` no longer holds any of `keys`."""
+        where = self._where
+        before = list(map(where.get, keys, itertools.repeat(NOBODY)))
+        remove = self._holder_sets.remove
+        after = {holders: remove(holders, endpoint) for holders in set(before)}
+        if not any(after.values()):  # nobody else held any of them
+            deque(map(where.pop, keys, itertools.repeat(None)), maxlen=0)
+        else:
+            where.update(zip(keys, map(after.__getitem__, before)))
+            if not all(after.values()):
+                emptied = map(operator.not_, map(after.__getitem__, before))
+                deque(map(where.pop, itertools.compress(keys, emptied), itertools.repeat(None)), maxlen=0)
+        if self._below_top:
+            for key in keys:
+                self._weigh(endpoint, key, 0)
+
+    def _weigh(self, endpoint: str, key: int, tiers: int) -> None:
+        """Record `endpoint`'s weight for `key` where it is below the top (an offloaded block)."""
         below = self._below_top
-        weights = below.get(key) if below else None
+        w = self._tier_weights[tiers] if tiers else self._top
+        if w < self._top:
+            below.setdefault(key, {})[endpoint] = w
+            return
+        weights = below.get(key)
         if weights is not None and weights.pop(endpoint, None) is not None and not weights:
             del below[key]
 
     def _enforce_capacity(self, endpoint: str, cache: _EndpointCache) -> None:
         tiers = cache.tiers
-        while len(tiers) > cache.capacity:
-            key = next(iter(tiers))
+        oldest = list(itertools.islice(tiers, max(0, len(tiers) - cache.capacity)))
+        for key in oldest:
             del tiers[key]
             cache.speculative.pop(key, None)
-            self._publish(endpoint, key, 0)
+        self._leave(endpoint, oldest)
 
     def _drop_all(self, endpoint: str, cache: _EndpointCache) -> None:
-        for key in cache.tiers:
-            self._publish(endpoint, key, 0)
+        self._leave(endpoint, list(cache.tiers))
         cache.tiers.clear()
         cache.engine.clear()
         cache.speculative.clear()
@@ -554,15 +672,21 @@ class PreciseIndex:
     def _expire(self, now: float) -> None:
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
-            _, endpoint, keys = expiries.popleft()
+            _, _, prediction = heapq.heappop(expiries)
+            endpoint, keys = prediction.endpoint, prediction.keys
             cache = self._caches.get(endpoint)
             if cache is None:
                 continue
-            speculative = cache.speculative
-            for key in keys:
-                deadline = speculative.get(key)
-                if deadline is not None and deadline <= now:
-                    self._remove(endpoint, cache, key, SPECULATIVE)
+            # The keys whose deadline passed (a later prediction may have extended some).
+            deadlines = map(cache.speculative.get, keys, itertools.repeat(math.inf))
+            due = list(itertools.compress(keys, map(operator.ge, itertools.repeat(now), deadlines)))
+            self._remove(endpoint, cache, due, SPECULATIVE)
+
+
+_KEY_OR_NONE = frozenset({int, type(None)})
+_is_key = partial(operator.is_not, None)
+# For each set of tier bits removed, the tier bits it leaves empty.
+_EMPTIED_BY = [frozenset(t for t in range(1, 8) if not t & ~removed) for removed in range(8)]
 
 
 def _salt(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:

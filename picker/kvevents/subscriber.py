@@ -50,6 +50,7 @@ from picker.telemetry import metrics
 log = logging.getLogger(__name__)
 
 _END_OF_REPLAY = -1
+_DRAIN_LIMIT = 16  # queued messages applied in a row before the loop serves anything else
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,19 +239,35 @@ class _Feed:
             return
         log.info("kv events: subscribed to %s for %s", self.address, self.endpoint)
         connections = 0
+        # What is already queued is read through plain (shadow) sockets: the asyncio socket's
+        # future per call cost more than decoding a typical message (BENCHMARKS.md, issue 13).
+        queued: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        connection_events: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         try:
             while True:
-                frames = await socket.recv_multipart()
-                # libzmq queues a connection's CONNECTED event before any of its messages.
-                while await monitor.poll(0):
-                    if parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_CONNECTED:
-                        connections += 1
-                        self.reconnected = connections > 1
-                try:
-                    await self.receive(frames)
-                except Exception:  # a bug must not end the subscription; the state is suspect
-                    log.exception("kv events: failed to apply a message from %s", self.endpoint)
-                    self._set_unknown()
+                batch = [await socket.recv_multipart()]
+                # A pending connection event ends the batch: the messages after it are told apart.
+                while len(batch) < _DRAIN_LIMIT and not connection_events.poll(0):
+                    try:
+                        batch.append(queued.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                for frames in batch:
+                    # libzmq queues a connection's CONNECTED event before any of its messages.
+                    while connection_events.poll(0):
+                        event = parse_monitor_message(connection_events.recv_multipart())["event"]
+                        if event == zmq.EVENT_CONNECTED:
+                            connections += 1
+                            self.reconnected = connections > 1
+                    try:
+                        await self.receive(frames)
+                    except Exception:  # a bug must not end the subscription; the state is suspect
+                        log.exception("kv events: failed to apply a message from %s", self.endpoint)
+                        self._set_unknown()
+                if len(batch) == _DRAIN_LIMIT:
+                    # More may be queued, and awaiting a ready socket does not yield: let the
+                    # request path run between batches (a 1,000-block message takes ~1 ms).
+                    await asyncio.sleep(0)
         finally:
             socket.disable_monitor()
             monitor.close(0)

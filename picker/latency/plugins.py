@@ -52,7 +52,7 @@ from picker.latency.prediction import (
     slo_ms,
 )
 from picker.latency.tpot import TpotModel
-from picker.prefix.plugins import PREFIX_MATCH_KEY, TTFT_MODEL_KEY, expected_cached_tokens
+from picker.prefix.plugins import PREFIX_MATCH_KEY, TTFT_MODEL_KEY, prompt_and_cached_tokens
 from picker.prefix.ttft import TtftModel
 
 TPOT_MODEL_KEY = "latency/tpot-model"
@@ -141,13 +141,7 @@ class PredictedLatencyProducer(DataProducer, PreRequest, ResponseComplete):
         cycle_state[_SLOS_KEY] = (ttft_slo, tpot_slo)
         if not self.settings.predict_in_prepare_data or not candidates:
             return
-        match = cycle_state.read(PREFIX_MATCH_KEY)
-        if match is not None:
-            prompt_tokens = match.blocks.prompt_tokens
-            cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
-        else:
-            prompt_tokens = request.estimated_prompt_tokens()
-            cached = [0] * len(candidates)
+        prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
         now = self.ttft.clock()
         cycle_state[LATENCY_PREDICTIONS_KEY] = {
             c.address: self._predict(c, self.ttft.estimate(c, prompt_tokens, hit, now).seconds, ttft_slo, tpot_slo)

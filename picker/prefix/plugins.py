@@ -106,12 +106,17 @@ class PrefixMatch:
     over_bound: frozenset[str] = frozenset()
     room: Callable[[EndpointState], int] | None = None  # an endpoint's cache blocks beside its reused ones
 
-    def fits(self, state: EndpointState) -> bool:
+    def fits(self, state: EndpointState, cached_tokens: int | None = None) -> bool:
         """Whether the blocks `state`'s endpoint lacks fit in its cache beside the blocks reused
-        there recently, so placing the prompt there evicts nothing in use (True if unknown)."""
+        there recently, so placing the prompt there evicts nothing in use (True if unknown).
+        What it holds: `cached_tokens` when given (`expected_cached_tokens`), else the match."""
         if self.room is None:
             return True
-        return self.total_blocks - self.matched.get(state.address, 0) <= self.room(state)
+        if cached_tokens is None:
+            held = self.matched.get(state.address, 0)
+        else:
+            held = min(self.total_blocks, -(-cached_tokens // self.blocks.block_tokens))
+        return self.total_blocks - held <= self.room(state)
 
     @property
     def total_blocks(self) -> int:
@@ -154,6 +159,17 @@ def expected_cached_tokens(match: PrefixMatch, cycle_state: CycleState, addresse
         return [match.cached_tokens(a) for a in addresses]
     limit = match.cached_tokens_limit()
     return [min(engine_cached.get(a, 0), limit) for a in addresses]
+
+
+def prompt_and_cached_tokens(
+    request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+) -> tuple[int, list[int]]:
+    """The prompt's tokens and each candidate's expected cached share of them (none without a
+    prefix match: the request's own estimate, nothing cached), for latency predictions."""
+    match = cycle_state.read(PREFIX_MATCH_KEY)
+    if match is None:
+        return request.estimated_prompt_tokens(), [0] * len(candidates)
+    return match.blocks.prompt_tokens, expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
 
 
 PROMPT_BLOCKS_KEY = StateKey("PromptBlocks", PromptBlocks)
@@ -570,7 +586,12 @@ class CacheFitScorer(ParameterlessScorer):
         match = cycle_state.read(PREFIX_MATCH_KEY)
         if match is None:
             return [1.0] * len(candidates)
-        return [1.0 if match.fits(c) else 0.0 for c in candidates]
+        if cycle_state.read(ENGINE_CACHED_TOKENS_KEY) is None:
+            return [1.0 if match.fits(c) else 0.0 for c in candidates]
+        # What the engines report, as for the TTFT cost: the approximate index's guess made the
+        # precise config count a prompt as fitting where the engine had evicted it.
+        cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
+        return [1.0 if match.fits(c, tokens) else 0.0 for c, tokens in zip(candidates, cached)]
 
 
 class TtftCostScorer(Scorer, BackgroundWork):
@@ -629,13 +650,7 @@ class TtftCostScorer(Scorer, BackgroundWork):
         cycle_state: CycleState,
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
-        match = cycle_state.read(PREFIX_MATCH_KEY)
-        if match is not None:
-            prompt_tokens = match.blocks.prompt_tokens
-            cached = expected_cached_tokens(match, cycle_state, [c.address for c in candidates])
-        else:
-            prompt_tokens = request.estimated_prompt_tokens()
-            cached = [0] * len(candidates)
+        prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
         model, weight = self.model, self.interference_weight
         now = model.clock()
         estimates = [model.estimate(c, prompt_tokens, hit, now, weight) for c, hit in zip(candidates, cached)]

@@ -11,7 +11,7 @@ from array import array
 from collections.abc import Mapping
 from functools import lru_cache
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import xxhash
@@ -23,6 +23,24 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 DEFAULT_FAIRNESS_ID = "default-flow"
+
+
+class FlowHeaders(NamedTuple):
+    """What a request's headers say about its flow, the same for every parser."""
+
+    objective: str | None
+    fairness_id: str
+    tenant: str | None
+
+
+def flow_headers(headers: Mapping[str, str], tenant_header: str | None) -> FlowHeaders:
+    """The InferenceObjective, the fairness id (the default flow when absent) and the tenant
+    (from the configured header) of a request."""
+    tenant = headers.get(tenant_header.lower()) if tenant_header else None
+    return FlowHeaders(
+        headers.get(OBJECTIVE_HEADER) or None, headers.get(FAIRNESS_ID_HEADER) or DEFAULT_FAIRNESS_ID, tenant or None
+    )
+
 
 # Longest suffix first: "/chat/completions" must win over "/completions".
 _API_BY_SUFFIX = (
@@ -101,7 +119,7 @@ def parse_request(
     else:
         prompt_text, prompt_token_ids = _text_or_tokens(_required(payload, "input"), "input")
 
-    tenant = headers.get(tenant_header.lower()) if tenant_header else None
+    flow = flow_headers(headers, tenant_header)
     return InferenceRequest(
         request_id=request_id,
         api=api,
@@ -114,9 +132,9 @@ def parse_request(
         messages=messages,
         body=payload,
         headers=headers,
-        objective=headers.get(OBJECTIVE_HEADER) or None,
-        fairness_id=headers.get(FAIRNESS_ID_HEADER) or DEFAULT_FAIRNESS_ID,
-        tenant=tenant or None,
+        objective=flow.objective,
+        fairness_id=flow.fairness_id,
+        tenant=flow.tenant,
         size_bytes=len(body),
     )
 

@@ -11,13 +11,7 @@ from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters
 from picker.framework.plugin import Parser
 from picker.framework.request import InferenceRequest
-from picker.request.openai import (
-    DEFAULT_FAIRNESS_ID,
-    FAIRNESS_ID_HEADER,
-    OBJECTIVE_HEADER,
-    api_for_path,
-    request_path,
-)
+from picker.request.openai import api_for_path, flow_headers, request_path
 
 
 class PassthroughParser(Parser):
@@ -34,16 +28,16 @@ class PassthroughParser(Parser):
     def parse(
         self, body: bytes, headers: Mapping[str, str], request_id: str, tenant_header: str | None
     ) -> InferenceRequest:
-        tenant = headers.get(tenant_header.lower()) if tenant_header else None
+        flow = flow_headers(headers, tenant_header)
         return InferenceRequest(
             request_id=request_id,
             api=api_for_path(request_path(headers)),
             model="",
             target_model="",
             headers=headers,
-            objective=headers.get(OBJECTIVE_HEADER) or None,
-            fairness_id=headers.get(FAIRNESS_ID_HEADER) or DEFAULT_FAIRNESS_ID,
-            tenant=tenant or None,
+            objective=flow.objective,
+            fairness_id=flow.fairness_id,
+            tenant=flow.tenant,
             size_bytes=len(body),
         )
 

@@ -19,7 +19,7 @@ from picker.framework.parameters import Parameters
 from picker.framework.plugin import Parser
 from picker.framework.request import Api, InferenceRequest, Usage
 from picker.request.errors import bad_request
-from picker.request.openai import DEFAULT_FAIRNESS_ID, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
+from picker.request.openai import flow_headers
 
 GENERATE_PATH = "/vllm.grpc.engine.VllmEngine/Generate"
 EMBED_PATH = "/vllm.grpc.engine.VllmEngine/Embed"
@@ -100,7 +100,7 @@ class VllmGrpcParser(Parser):
             prompt, api, stream = embed.tokenized.original_text, Api.EMBEDDINGS, False
         else:
             raise bad_request(f"unsupported gRPC path: {path}")
-        tenant = headers.get(tenant_header.lower()) if tenant_header else None
+        flow = flow_headers(headers, tenant_header)
         return InferenceRequest(
             request_id=request_id,
             api=api,
@@ -109,9 +109,9 @@ class VllmGrpcParser(Parser):
             stream=stream,
             prompt_text=prompt,
             headers=headers,
-            objective=headers.get(OBJECTIVE_HEADER) or None,
-            fairness_id=headers.get(FAIRNESS_ID_HEADER) or DEFAULT_FAIRNESS_ID,
-            tenant=tenant or None,
+            objective=flow.objective,
+            fairness_id=flow.fairness_id,
+            tenant=flow.tenant,
             size_bytes=len(body),
         )
 

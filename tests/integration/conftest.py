@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.stack import Stack, loopback_addresses, start_backends, start_envoy, start_picker
@@ -40,3 +41,10 @@ def stack(request: pytest.FixtureRequest, backends, log_dir: Path) -> Iterator[S
     yield s
     envoy.stop()
     picker.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session without a connection limit (a module may define its own `http`)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        yield session

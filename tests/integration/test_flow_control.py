@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -132,12 +132,6 @@ def flow_stack(log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         sim.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        yield session
-
-
 async def post(
     http: aiohttp.ClientSession, stack: FlowStack, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, object]]:
@@ -151,16 +145,12 @@ async def blocked(stack: FlowStack, http: aiohttp.ClientSession) -> asyncio.Task
     stack.hang(True)
     before = stack.routed()
     blocker = asyncio.create_task(post(http, stack))
-    await eventually(lambda: _async(stack.routed() == before + 1), 10)
+    await eventually(lambda: stack.routed() == before + 1, 10)
     return blocker
 
 
-async def _async(value: bool) -> bool:
-    return value
-
-
 async def queued(stack: FlowStack, count: int) -> None:
-    await eventually(lambda: _async(stack.queued() == count), 20)
+    await eventually(lambda: stack.queued() == count, 20)
 
 
 async def test_a_high_priority_request_overtakes_the_queued_low_priority_ones(
@@ -239,7 +229,7 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_and_reaches_no
     await queued(flow_stack, 1)
     leaving.cancel()  # the client closes its connection: Envoy resets the ext_proc stream
     await queued(flow_stack, 0)
-    await eventually(lambda: _async(flow_stack.outcomes("EvictedContextCancelled") == cancelled_before + 1), 5)
+    await eventually(lambda: flow_stack.outcomes("EvictedContextCancelled") == cancelled_before + 1, 5)
     flow_stack.hang(False)
     assert (await blocker)[0] == 200
     assert (await post(http, flow_stack))[0] == 200  # the queue is idle again

@@ -11,7 +11,7 @@ back is the dispatch order.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -77,16 +77,6 @@ def two_pods(log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         sim.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        yield session
-
-
-async def _async(value: bool) -> bool:
-    return value
-
-
 async def test_parked_requests_take_turns_by_fairness_not_by_when_they_were_parked(
     two_pods: TwoPods, http: aiohttp.ClientSession
 ) -> None:
@@ -108,12 +98,12 @@ async def test_parked_requests_take_turns_by_fairness_not_by_when_they_were_park
     stack.hang(True)
     try:
         blocker = asyncio.create_task(send("blocker", "warm"))
-        await eventually(lambda: _async(two_pods.routed_to()[holder] == after[holder] + 1), 10)
+        await eventually(lambda: two_pods.routed_to()[holder] == after[holder] + 1, 10)
         # The other pod has room, but the holder is full: these wait for it (parked).
         noisy = [asyncio.create_task(send(f"noisy{i}", "noisy")) for i in range(6)]
-        await eventually(lambda: _async(stack.queued() == 6), 10)
+        await eventually(lambda: stack.queued() == 6, 10)
         quiet = [asyncio.create_task(send(f"quiet{i}", "quiet")) for i in range(2)]
-        await eventually(lambda: _async(stack.queued() == 8), 10)
+        await eventually(lambda: stack.queued() == 8, 10)
         assert two_pods.routed_to() == {**after, holder: after[holder] + 1}  # nothing went to the other pod
     finally:
         stack.hang(False)

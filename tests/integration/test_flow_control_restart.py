@@ -15,7 +15,7 @@ import asyncio
 import os
 import signal
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -66,16 +66,6 @@ def restart_stack(log_dir: Path, tmp_path: Path) -> Iterator[tuple[FlowStack, li
         sim.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        yield session
-
-
-async def _holds(value: bool) -> bool:
-    return value
-
-
 def crash(picker: Picker) -> None:
     """SIGKILL: the picker dies without draining."""
     os.killpg(picker.process.pid, signal.SIGKILL)
@@ -94,11 +84,11 @@ async def test_a_restart_fails_the_queued_requests_at_the_gateway_and_none_reach
     served_before = served_by_pod(stack.pod)
     stack.hang(True)  # the pod holds the blocker: the pool is saturated and the rest queue
     blocker = asyncio.create_task(post(http, stack))
-    await eventually(lambda: _holds(stack.routed() == 1), 10)
+    await eventually(lambda: stack.routed() == 1, 10)
     waiting = [
         asyncio.create_task(post(http, stack, {"x-gateway-inference-fairness-id": f"t{i % 2}"})) for i in range(QUEUED)
     ]
-    await eventually(lambda: _holds(stack.queued() == QUEUED), 20)
+    await eventually(lambda: stack.queued() == QUEUED, 20)
 
     grpc_port = stack.picker.grpc_port
     await asyncio.to_thread(stop, stack.picker)  # drained (the queue waits out the grace) or killed
@@ -120,5 +110,5 @@ async def test_a_restart_fails_the_queued_requests_at_the_gateway_and_none_reach
     assert [status for status, _ in after] == [200] * 3
     # The pod served the three new requests and nothing else: not one of the queued twenty, and
     # not the blocker a second time.
-    await eventually(lambda: _holds(served_by_pod(stack.pod) == served_before + 3), 10)
+    await eventually(lambda: served_by_pod(stack.pod) == served_before + 3, 10)
     assert stack.routed() == 3  # the new picker routed only the new requests

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import zmq
 import zmq.asyncio
@@ -11,7 +13,7 @@ from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.framework.parameters import PluginConfigError
 from picker.framework.plugin import SchedulingResult
-from picker.framework.request import Api, InferenceRequest
+from picker.framework.request import Api, InferenceRequest, ResponseOutcome
 from picker.kvevents.decode import BlockStored
 from picker.kvevents.plugins import PreciseConfig, PreciseScorer
 from picker.prefix.hashing import chain_seed, token_block_hashes
@@ -95,6 +97,13 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
             )
         )
         assert scores[target] == 1.0 and again.targets[0].address == target
+        # It lasts while the request is in flight (up to speculativeHold), the TTL after it ends.
+        held_until = scorer.index.predicted_until(target)
+        assert held_until is not None and held_until > time.monotonic() + 50
+        for step in runtime.response_complete:
+            step.plugin.response_complete(request(other, "r3"), picked, ResponseOutcome(target, 200))
+        ending = scorer.index.predicted_until(target)
+        assert ending is not None and ending <= time.monotonic() + 2.0
 
         # A reload with the same parameters keeps the warm index; changed ones replace it.
         assert holder.load_text(config()).plugins["precise-prefix-cache-scorer"].index is scorer.index
@@ -142,6 +151,7 @@ async def test_a_salted_request_maps_the_engines_blocks_into_its_scope() -> None
         ({"tierWeights": {"gpu": 2}}, r"tierWeights.gpu: must be a number in \[0, 1\]"),
         ({"tierWeights": {"disk": 0.5}}, "tierWeights.disk: unknown tier"),
         ({"speculativeTTL": "soon"}, "speculativeTTL: invalid duration"),
+        ({"speculativeHold": "later"}, "speculativeHold: invalid duration"),
         ({"blockSize": 16}, "blockSize: unknown parameter"),
     ],
 )
@@ -160,3 +170,4 @@ def test_parameters_have_the_documented_defaults() -> None:
         "kv@",
     )
     assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)
+    assert parsed.speculative_hold == 60.0

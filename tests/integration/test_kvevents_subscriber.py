@@ -26,6 +26,7 @@ from picker.kvevents.decode import (
 )
 from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import (
+    _DRAIN_LIMIT,
     KVEventSubscriber,
     SubscriberConfig,
     data_parallel_ranks,
@@ -206,6 +207,23 @@ async def test_events_build_the_index_in_both_encodings(harness: Harness, encodi
     pub.publish(AllBlocksCleared())
     await until(lambda: len(harness.index) == 0, what="the clear")
     assert harness.index.is_known(ep)
+
+
+async def test_a_burst_longer_than_one_drain_is_applied_in_order_without_gaps(harness: Harness) -> None:
+    # The feed reads queued messages in batches of _DRAIN_LIMIT; every message of a burst
+    # spanning several batches must be applied once, in order (no gap, nothing dropped).
+    pub = Publisher(harness.ctx)
+    (ep,) = await harness.start(pub)
+    gaps = counter(metrics.KV_EVENT_GAPS, ep)
+    removed = counter(metrics.KV_EVENTS, ep, "BlockRemoved")
+    messages = 3 * _DRAIN_LIMIT + 1
+    for _ in range(messages // 2):
+        pub.publish(stored(PROMPT))
+        pub.publish(BlockRemoved(tuple(engine_keys(PROMPT)), "GPU"))
+    pub.publish(stored(PROMPT[:20]))  # the last message decides what is cached
+    await until(lambda: counter(metrics.KV_EVENTS, ep, "BlockRemoved") - removed == messages // 2, what="the burst")
+    await until(lambda: harness.score(ep, PROMPT) == 0.5, what="the last message")
+    assert counter(metrics.KV_EVENT_GAPS, ep) == gaps and harness.index.is_known(ep)
 
 
 async def test_a_gap_is_filled_from_the_replay_socket(harness: Harness) -> None:

@@ -268,6 +268,8 @@ OPERATIONS = st.lists(
 @given(operations=OPERATIONS, round_robin=st.booleans())
 # A request due before one already parked, both held, then free: the earlier due goes first.
 @hypothesis.example([("add", ("a", 30)), ("pop", 1), ("add", ("a", 0)), ("pop", 3), ("pop", 0)], False)
+# The band drains between two turns: the flow served last still goes after the other.
+@hypothesis.example([("add", ("a", 0)), ("pop", 0), ("pop", 0), ("add", ("a", 0)), ("add", ("b", 0)), ("pop", 0)], True)
 def test_a_band_takes_by_fairness_among_flows_that_have_a_request_that_may_go(
     operations: list[tuple[str, object]], round_robin: bool
 ) -> None:

@@ -2,8 +2,9 @@
 tag the chart's appVersion (= the package version), built by docker or podman from the
 Dockerfile, with a clear message when neither can build.
 
-No container engine runs on the test machines, so a stand-in `docker` script records how
-`make image` calls it; the real Makefile, make and sh run."""
+Here a stand-in `docker` or `podman` script records how `make image` calls it (the real
+Makefile, make and sh run); tests/integration/test_image_podman.py builds and runs the image with
+a real podman."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -35,13 +37,14 @@ def stand_in_engine(directory: Path, name: str, info_exit: int = 0) -> Path:
     return directory / "calls.txt"
 
 
-def make_image(path: str) -> subprocess.CompletedProcess[str]:
+def make_image(path: str, *variables: str) -> subprocess.CompletedProcess[str]:
     make = shutil.which("make")
     assert make, "make is needed to run the Makefile"
     env = {**os.environ, "PATH": path}
     env.pop("CONTAINER_ENGINE", None)
+    env.pop("BASE_IMAGE", None)
     return subprocess.run(
-        [make, "-C", str(ROOT), "image"], env=env, capture_output=True, text=True, check=False, timeout=60
+        [make, "-C", str(ROOT), "image", *variables], env=env, capture_output=True, text=True, check=False, timeout=60
     )
 
 
@@ -65,6 +68,83 @@ def test_make_image_builds_the_image_the_chart_runs(engine, tmp_path) -> None:
         f"build --build-arg VERSION={version} -t {chart_image()} .",
     ]
     assert f"kind load docker-image {chart_image()}" in result.stdout
+
+
+def test_make_image_builds_on_another_base_image_when_asked(tmp_path) -> None:
+    calls = stand_in_engine(tmp_path / "bin", "podman")
+    result = make_image(f"{tmp_path / 'bin'}:{only_sed(tmp_path / 'tools')}", "BASE_IMAGE=localhost/base:1")
+    assert result.returncode == 0, result.stderr
+    build = calls.read_text().splitlines()[-1]
+    assert "--build-arg BASE_IMAGE=localhost/base:1 " in build
+    assert build.endswith(f"-t {chart_image()} .")
+
+
+def test_the_dockerfile_builds_and_runs_on_its_base_image_argument() -> None:
+    """BASE_IMAGE's default is the public Python image; the stage that builds the venv and the
+    final stage both use it (the venv runs on the Python it was built with)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "\nARG BASE_IMAGE=python:3.11-slim-bookworm\n" in dockerfile
+    assert "\nFROM ${BASE_IMAGE} AS deps\n" in dockerfile
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.M)[-1] == "${BASE_IMAGE}"
+
+
+def stages(dockerfile: str) -> dict[str, str]:
+    """The Dockerfile's stages by name (the unnamed last one as "final"), each its lines."""
+    named: dict[str, str] = {}
+    for stage in re.split(r"^FROM\s", dockerfile, flags=re.M)[1:]:
+        name = re.match(r"\S+(?:\s+AS\s+(\S+))?", stage, re.I)
+        assert name
+        named[name.group(1) or "final"] = stage
+    return named
+
+
+def test_the_dependencies_install_in_layers_that_depend_on_pyproject_alone() -> None:
+    """A change to picker's source reuses the layer of its dependencies (the slow one): that stage
+    copies pyproject.toml and the tools it runs, never the source; picker comes as a wheel built
+    without its dependencies and installed into that venv without them."""
+    by_name = stages((ROOT / "Dockerfile").read_text())
+    assert list(by_name) == ["deps", "wheel", "final"]
+    copied = [line.split()[1:-1] for line in by_name["deps"].splitlines() if line.startswith("COPY ")]
+    assert copied == [["pyproject.toml"], ["tools/pyproject-requirements.py", "tools/restore-opentelemetry-proto.sh"]]
+    assert "pip install -r requirements.txt" in by_name["deps"]
+    assert by_name["wheel"].startswith("deps AS wheel\n")
+    assert "COPY picker ./picker" in by_name["wheel"]
+    assert "pip wheel --no-deps" in by_name["wheel"]
+    final = by_name["final"]
+    assert final.index("COPY --from=deps /opt/picker /opt/picker") < final.index("COPY --from=wheel")
+    assert "pip install --no-deps --no-index /tmp/wheels/*.whl" in final
+    assert "pip check" in final
+
+
+def pyproject_requirements(*args: str) -> subprocess.CompletedProcess[str]:
+    script = ROOT / "tools" / "pyproject-requirements.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=False, timeout=60)
+
+
+def test_pyproject_requirements_are_the_dependencies_and_the_extras_asked_for() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    alone = pyproject_requirements(str(ROOT / "pyproject.toml"), "")
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.splitlines() == project["dependencies"]
+    both = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizers, bench")
+    assert both.returncode == 0, both.stderr
+    extras = project["optional-dependencies"]
+    assert both.stdout.splitlines() == project["dependencies"] + extras["tokenizers"] + extras["bench"]
+
+
+def test_pyproject_requirements_refuses_an_unknown_extra_or_file(tmp_path) -> None:
+    unknown = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizer")
+    assert unknown.returncode == 1
+    assert "unknown extra tokenizer; pyproject.toml has bench, test, tokenizers" in unknown.stderr
+    assert unknown.stdout == ""
+    missing = pyproject_requirements(str(tmp_path / "pyproject.toml"))
+    assert missing.returncode == 1
+    assert "No such file" in missing.stderr
+    (tmp_path / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\n')
+    no_project = pyproject_requirements(str(tmp_path / "pyproject.toml"))
+    assert no_project.returncode == 1
+    assert "no [project] table" in no_project.stderr
+    assert pyproject_requirements().returncode == 2
 
 
 def test_make_image_without_docker_or_podman_says_so(tmp_path) -> None:

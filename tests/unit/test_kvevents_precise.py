@@ -136,6 +136,41 @@ def test_a_later_prediction_extends_an_earlier_one_and_eviction_overrides_it() -
     assert idx.own_keys(A) == {}
 
 
+def test_a_held_prediction_lasts_while_its_request_is_in_flight_and_the_ttl_after() -> None:
+    # A request queued behind others at a busy engine stores its blocks only when it runs: its
+    # prefix stays predicted there until the request ends (at most `hold`), then `ttl` more.
+    clock = Clock()
+    idx = index(speculative_ttl=2.0, clock=clock)
+    keys = own(PROMPT)
+    prediction = idx.insert_speculative(A, keys[:4], hold=60.0)
+    assert prediction is not None and prediction.deadline == clock.now + 60.0
+    clock.now += 30.0  # still queued
+    assert idx.score(keys, [A]) == [0.5]
+    idx.end_speculative(prediction)
+    assert prediction.keys == []  # released: its entry in the expiry heap holds nothing
+    clock.now += 1.9
+    assert idx.score(keys, [A]) == [0.5]
+    clock.now += 0.2
+    assert idx.score(keys, [A]) == [0.0] and idx.own_keys(A) == {}
+    unended = idx.insert_speculative(A, keys[:2], hold=60.0)  # its response never comes
+    assert unended is not None
+    clock.now += 60.0
+    assert idx.score(keys, [A]) == [0.0]
+
+
+def test_an_ended_request_does_not_cut_a_later_prediction_of_the_same_blocks() -> None:
+    clock = Clock()
+    idx = index(speculative_ttl=2.0, clock=clock)
+    keys = own(PROMPT)
+    first = idx.insert_speculative(A, keys[:4], hold=60.0)
+    clock.now += 1.0
+    idx.insert_speculative(A, keys[:2], hold=60.0)  # a second request for the same prefix, queued
+    assert first is not None
+    idx.end_speculative(first)
+    clock.now += 5.0
+    assert idx.score(keys, [A]) == [0.25]  # the second request's blocks stay predicted
+
+
 def test_a_prediction_marks_only_blocks_the_engine_has_not_reported() -> None:
     clock = Clock()
     idx = index(speculative_ttl=2.0, clock=clock)
@@ -298,6 +333,7 @@ class ReferenceEngine:
 @example(
     ops=[("request", 0, 2), ("evict-any", 0, 1), ("request", 0, 1)], sizes=(8, 12), seed=0
 )  # parent-first eviction
+@example(ops=[("request", 0, 5), ("evict", 0, 3), ("evict", 0, 2)], sizes=(8, 12), seed=0)  # a key listed twice
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["request", "evict", "evict-any", "clear"]), st.integers(0, 4), st.integers(1, 12)),
@@ -327,3 +363,122 @@ def test_index_matches_a_reference_engine(ops: list[tuple[str, int, int]], sizes
             keys = own(p, own_size)
             expected = (engine.prefix(p) * engine_size // own_size) / len(keys)
             assert idx.score(keys, [A]) == [pytest.approx(expected)]
+
+
+class ReferenceHolders:
+    """What the index should say, kept the plainest way: each endpoint's tier bits per own key."""
+
+    def __init__(self, weights: TierWeights, ttl: float) -> None:
+        self.weights = weights
+        self.ttl = ttl
+        self.now = 100.0
+        self.tiers: dict[str, dict[int, int]] = {A: {}, B: {}, C: {}}
+        self.engine: dict[str, dict[int, int]] = {A: {}, B: {}, C: {}}  # engine hash -> tier bits
+        self.deadlines: dict[str, dict[int, float]] = {A: {}, B: {}, C: {}}
+
+    def stored(self, endpoint: str, prompt: list[int], tier: int) -> None:
+        for h, key in zip(engine_hashes(prompt, 4), own(prompt)):
+            self.engine[endpoint][h] = self.engine[endpoint].get(h, 0) | tier
+            self.tiers[endpoint][key] = self.tiers[endpoint].get(key, 0) | tier
+
+    def removed(self, endpoint: str, prompt: list[int], first: int, tier: int) -> None:
+        if tier == GPU:
+            tier |= SPECULATIVE
+        for h, key in list(zip(engine_hashes(prompt, 4), own(prompt)))[first:]:
+            if h not in self.engine[endpoint]:
+                continue
+            self.engine[endpoint][h] &= ~tier
+            if not self.engine[endpoint][h]:
+                del self.engine[endpoint][h]
+            self._drop(endpoint, key, tier)
+
+    def _drop(self, endpoint: str, key: int, tier: int) -> None:
+        tiers = self.tiers[endpoint].get(key, 0)
+        if tiers & tier:
+            if tier & SPECULATIVE:
+                self.deadlines[endpoint].pop(key, None)
+            self.tiers[endpoint][key] = tiers & ~tier
+            if not self.tiers[endpoint][key]:
+                del self.tiers[endpoint][key]
+
+    def speculate(self, endpoint: str, keys: list[int]) -> None:
+        self.expire()
+        for key in keys:
+            if not self.tiers[endpoint].get(key, 0) & GPU:
+                self.deadlines[endpoint][key] = self.now + self.ttl
+                self.tiers[endpoint][key] = self.tiers[endpoint].get(key, 0) | SPECULATIVE
+
+    def expire(self) -> None:
+        for endpoint, deadlines in self.deadlines.items():
+            for key in [k for k, t in deadlines.items() if t <= self.now]:
+                self._drop(endpoint, key, SPECULATIVE)
+
+    def score(self, keys: list[int], endpoint: str) -> float:
+        self.expire()
+        total = 0.0
+        for key in keys:
+            tiers = self.tiers[endpoint].get(key, 0)
+            if not tiers:
+                break
+            total += self.weights.weight(tiers)
+        return total / len(keys)
+
+    def held_anywhere(self) -> int:
+        return len(set().union(*(set(t) for t in self.tiers.values())))
+
+
+C = "10.0.0.3:8000"
+
+
+@settings(max_examples=150, deadline=None)
+@example(  # a prediction confirmed in part, then expired: the confirmed blocks stay
+    ops=[("speculate", A, 0, 4), ("store-gpu", A, 0, 2), ("tick", A, 0, 0), ("tick", A, 0, 0)],
+    weights=TierWeights(1.0, 0.5),
+)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["store-gpu", "store-cpu", "evict-gpu", "evict-cpu", "speculate", "tick"]),
+            st.sampled_from([A, B, C]),
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(0, 10),
+        ),
+        max_size=30,
+    ),
+    weights=st.sampled_from([TierWeights(1.0, 0.5), TierWeights(0.6, 1.0)]),
+)
+def test_index_matches_reference_holders_over_endpoints_tiers_and_predictions(
+    ops: list[tuple[str, str, int, int]], weights: TierWeights
+) -> None:
+    # Several endpoints sharing blocks, GPU and CPU tiers and predictions that expire: the
+    # index's bulk paths (whole events, shared holder sets) must agree with per-key bookkeeping.
+    clock = Clock()
+    model = ReferenceHolders(weights, ttl=2.0)
+    idx = PreciseIndex(4, weights=weights, speculative_ttl=2.0, clock=clock)
+    for endpoint in (A, B, C):
+        idx.track(endpoint, MODEL)
+    for op, endpoint, p, n in ops:
+        prompt = PROMPTS[p][: max(1, n) * 4]
+        if op.startswith("store"):
+            tier = GPU if op == "store-gpu" else CPU
+            idx.apply(endpoint, stored(prompt, medium="GPU" if tier == GPU else "CPU"))
+            model.stored(endpoint, prompt, tier)
+        elif op.startswith("evict"):
+            tier = GPU if op == "evict-gpu" else CPU
+            first = n // 2
+            hashes = engine_hashes(prompt, 4)[first:]
+            idx.apply(endpoint, BlockRemoved(tuple(hashes), medium="GPU" if tier == GPU else "CPU"))
+            model.removed(endpoint, prompt, first, tier)
+        elif op == "speculate":
+            idx.insert_speculative(endpoint, own(prompt))
+            model.speculate(endpoint, own(prompt))
+        else:
+            clock.now += 1.5
+            model.now += 1.5
+        for q in PROMPTS:
+            keys = own(q)
+            expected = [model.score(keys, e) for e in (A, B, C)]
+            assert idx.score(keys, [A, B, C]) == [pytest.approx(x) for x in expected]
+        assert len(idx) == model.held_anywhere()
+        for e in (A, B, C):
+            assert idx.own_keys(e) == model.tiers[e]

@@ -189,6 +189,33 @@ def test_a_new_prefix_avoids_an_endpoint_whose_cache_is_full_of_reused_prefixes(
     assert fit_scores(prefixes["alpha "] + "question 9")[ADDRESSES[0]] == 1.0
 
 
+def test_cache_fit_counts_what_the_engines_report_cached_when_a_kv_event_index_says() -> None:
+    # The approximate index believes the first endpoint holds the prompt, so it fits there; its
+    # engine reports the prefix evicted (ENGINE_CACHED_TOKENS_KEY), so the whole prompt would
+    # have to be cached again beside its reused blocks: it no longer fits there.
+    store = _store(ADDRESSES[:1])
+    producer = _producer(Handle(store), autoTune=False, lruCapacityPerServer=50)
+    fit = CacheFitScorer("cache-fit-scorer")
+    scheduler = _scheduler(producer)
+    prefix = "alpha " * (len(PROMPT) // 6)
+    for i in range(2):  # sent twice: reused at the first endpoint
+        request = _completion(f"a{i}", f"{prefix}question {i}")
+        producer.pre_request(request, scheduler.schedule(request, store.snapshot()))
+    filler = "beta " * (len(PROMPT) // 5)
+    for i in range(2):
+        request = _completion(f"b{i}", f"{filler}question {i}")
+        producer.pre_request(request, scheduler.schedule(request, store.snapshot()))
+    request = _completion("probe", prefix + "question 9")
+    result = scheduler.schedule(request, store.snapshot())
+    candidates = result.profile_results["default"].candidates
+    state = result.cycle_state
+    assert fit.score(request, state, candidates) == [1.0]  # the approximate guess: cached, fits
+    state[ENGINE_CACHED_TOKENS_KEY] = {ADDRESSES[0]: 0}
+    assert fit.score(request, state, candidates) == [0.0]
+    state[ENGINE_CACHED_TOKENS_KEY] = {ADDRESSES[0]: state[PROMPT_BLOCKS_KEY].prompt_tokens}
+    assert fit.score(request, state, candidates) == [1.0]
+
+
 def test_endpoints_removed_from_the_datastore_are_forgotten() -> None:
     store = _store()
     producer = _producer(Handle(store))
