@@ -103,7 +103,7 @@ def test_the_dependencies_install_in_layers_that_depend_on_pyproject_alone() -> 
     copies pyproject.toml and the tools it runs, never the source; picker comes as a wheel built
     without its dependencies and installed into that venv without them."""
     by_name = stages((ROOT / "Dockerfile").read_text())
-    assert list(by_name) == ["deps", "wheel", "final"]
+    assert list(by_name) == ["core", "deps", "wheel", "final"]
     copied = [line.split()[1:-1] for line in by_name["deps"].splitlines() if line.startswith("COPY ")]
     assert copied == [["pyproject.toml"], ["tools/pyproject-requirements.py", "tools/restore-opentelemetry-proto.sh"]]
     assert "pip install -r requirements.txt" in by_name["deps"]
@@ -114,6 +114,24 @@ def test_the_dependencies_install_in_layers_that_depend_on_pyproject_alone() -> 
     assert final.index("COPY --from=deps /opt/picker /opt/picker") < final.index("COPY --from=wheel")
     assert "pip install --no-deps --no-index /tmp/wheels/*.whl" in final
     assert "pip check" in final
+
+
+def test_the_compiled_core_builds_in_a_stage_of_its_own_source() -> None:
+    """The ext_proc core's wheel: a stage on the same base that copies only the toolchain script
+    and native/extproc (crates fetched in a layer keyed by the lock file), so a change to picker's
+    Python source or dependencies never rebuilds the Rust; the final stage installs its wheel."""
+    by_name = stages((ROOT / "Dockerfile").read_text())
+    core = by_name["core"]
+    assert core.startswith("${BASE_IMAGE} AS core\n")
+    copied = [line.split()[1:-1] for line in core.splitlines() if line.startswith("COPY ")]
+    assert copied == [
+        ["tools/install-rust.sh"],
+        ["native/extproc/Cargo.toml", "native/extproc/Cargo.lock"],
+        ["native/extproc"],
+    ]
+    assert core.index("cargo fetch --locked") < core.index("COPY native/extproc ./")
+    assert "pip wheel --no-deps --wheel-dir /wheels ." in core
+    assert "COPY --from=core /wheels /tmp/wheels" in by_name["final"]
 
 
 def pyproject_requirements(*args: str) -> subprocess.CompletedProcess[str]:
