@@ -20,7 +20,12 @@ a hit (little prefill) still joins its busy holder.
 Rates are learnt from observed TTFTs (`ResponseOutcome.ttft_seconds` and usage prompt/cached
 tokens) with an EWMA, starting from priors. A sample updates the prefill rate when the queue was
 negligible at pick time (its TTFT is nearly all prefill); otherwise the drain rate, scaled by
-predicted / observed TTFT (the queue and prefill shares are not observed apart). Each sample
+predicted / observed TTFT (the queue and prefill shares are not observed apart). The overhead is
+learnt too, for the pool: an unqueued request whose predicted prefill is shorter than the
+overhead teaches it (its TTFT is the step it waited for, the network, the proxy), and no prefill
+rate. Taken as prefill samples, such short prompts (Mooncake's 20-40 token turns answered in
+one 100 ms step) taught rates of a few hundred tokens a second, the backlog then drained a
+hundred times too slowly, and the endpoints with long prompts on it looked busy for a minute. Each sample
 moves a rate by at most ×4 (a stall or a burst must not swing it wildly); the first samples are
 averaged (EWMA weight 1/n until it reaches `ewma_alpha`), so a poor prior is soon forgotten.
 
@@ -96,6 +101,8 @@ class TtftModel:
         self.clock = clock
         self._rates: dict[str, EndpointRates] = {}
         self.pool = self._new_rates()
+        self.overhead_seconds = self.priors.overhead_seconds  # learnt for the pool
+        self.overhead_samples = 0
 
     def _new_rates(self) -> EndpointRates:
         p = self.priors
@@ -104,6 +111,8 @@ class TtftModel:
     def set_priors(self, priors: TtftPriors) -> None:
         """New priors apply to endpoints with no samples yet (learnt rates are kept)."""
         self.priors = priors
+        if not self.overhead_samples:
+            self.overhead_seconds = priors.overhead_seconds
         for rates in (self.pool, *self._rates.values()):
             if not rates.prefill_samples:
                 rates.prefill_tokens_per_second = priors.prefill_tokens_per_second
@@ -169,7 +178,7 @@ class TtftModel:
         uncached = max(0, prompt_tokens - cached_tokens)
         queue = ahead / drain_rate
         prefill = uncached / prefill_rate
-        overhead = self.priors.overhead_seconds
+        overhead = self.overhead_seconds
         interference = 0.0
         if interference_weight > 0.0:
             metrics = state.metrics
@@ -195,11 +204,17 @@ class TtftModel:
         uncached = max(0, prompt_tokens - cached_tokens)
         if prompt_tokens > 0:
             rates.typical_prompt_tokens += self.priors.ewma_alpha * (uncached - rates.typical_prompt_tokens)
-        residual = ttft_seconds - self.priors.overhead_seconds
-        if residual <= 0.0:
-            return
         queue_part = work_ahead_tokens / self.drain_rate(endpoint)
         prefill_part = uncached / self.prefill_rate(endpoint)
+        if work_ahead_tokens < MIN_SAMPLE_TOKENS and prefill_part < self.overhead_seconds:
+            self.overhead_seconds = self._ewma(
+                self.overhead_seconds, max(ttft_seconds - prefill_part, 0.0), self.overhead_samples
+            )
+            self.overhead_samples += 1
+            return
+        residual = ttft_seconds - self.overhead_seconds
+        if residual <= 0.0:
+            return
         if uncached >= MIN_SAMPLE_TOKENS and queue_part <= 0.1 * prefill_part:
             sample = uncached / max(residual - queue_part, 1e-6)
             for learner in (rates, self.pool):

@@ -141,6 +141,19 @@ def test_prefill_and_drain_rates_are_learnt_from_observed_ttft() -> None:
     assert rates.prefill_samples == 60 and rates.drain_samples == 60
 
 
+def test_short_prompts_teach_the_overhead_and_not_the_prefill_rate() -> None:
+    # Mooncake's 20-40 token turns come back after one engine step (~100 ms here) whatever the
+    # prefill rate; taken as prefill samples they taught a few hundred tokens a second.
+    model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, overhead_seconds=0.01))
+    true_prefill, step = 40000.0, 0.1
+    for i in range(200):
+        prompt = 30 + i % 10 if i % 2 else 8000 + 100 * (i % 7)
+        model.observe(CACHED, step + prompt / true_prefill, prompt, 0, 0.0)
+    assert model.overhead_seconds == pytest.approx(step, rel=0.1)
+    assert model.prefill_rate(CACHED) == pytest.approx(true_prefill, rel=0.1)
+    assert model.estimate(_state(IDLE), 30, 0).seconds == pytest.approx(step, rel=0.15)
+
+
 def test_outliers_move_a_rate_by_a_bounded_step() -> None:
     model = TtftModel(TtftPriors(prefill_tokens_per_second=5000.0, ewma_alpha=1.0))
     model.observe(CACHED, 1e-3 + 0.01, 10000, 0, 0.0)  # an impossible 10M tokens/s
