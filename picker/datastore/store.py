@@ -7,6 +7,8 @@ Everything runs on one event loop, so plain dicts suffice; the request path only
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
@@ -14,6 +16,11 @@ from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 EndpointListener = Callable[[dict[str, Endpoint], dict[str, Endpoint]], None]
 
 _NO_METRICS = EndpointMetrics()
+# Completion rates count this process's releases over the last window (at most this many each);
+# fewer than COMPLETION_MIN_COUNT in it tell no rate.
+COMPLETION_WINDOW_SECONDS = 10.0
+COMPLETION_MIN_COUNT = 8
+_COMPLETIONS_KEPT = 256
 
 
 class Datastore:
@@ -24,6 +31,7 @@ class Datastore:
         self._metrics: dict[str, EndpointMetrics] = {}
         self._in_flight_requests: dict[str, int] = {}
         self._in_flight_tokens: dict[str, int] = {}
+        self._completions: dict[str, deque[float]] = {}  # address → monotonic release times
         # The other picker processes' in-flight load (--state-store), summed; snapshots add it.
         self._remote_requests: dict[str, int] = {}
         self._remote_tokens: dict[str, int] = {}
@@ -44,6 +52,7 @@ class Datastore:
             self._metrics.pop(address, None)
             self._in_flight_requests.pop(address, None)
             self._in_flight_tokens.pop(address, None)
+            self._completions.pop(address, None)
         self.synced = True
         self._load_changed()
         if new != old or any(new[a].labels != old[a].labels for a in new.keys() & old.keys()):
@@ -113,9 +122,23 @@ class Datastore:
             return  # the endpoint left the pool while the request ran
         self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
         self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
+        completions = self._completions.get(address)
+        if completions is None:
+            completions = self._completions[address] = deque(maxlen=_COMPLETIONS_KEPT)
+        completions.append(time.monotonic())
         if self.in_flight_listener is not None:
             self.in_flight_listener()
         self._load_changed()
+
+    def completion_rate(self, address: str, now: float | None = None) -> float:
+        """Requests this process saw end at `address` per second over the last
+        `COMPLETION_WINDOW_SECONDS` (0.0, unknown, when fewer than `COMPLETION_MIN_COUNT` did)."""
+        completions = self._completions.get(address)
+        if not completions:
+            return 0.0
+        since = (time.monotonic() if now is None else now) - COMPLETION_WINDOW_SECONDS
+        recent = sum(1 for t in completions if t > since)
+        return recent / COMPLETION_WINDOW_SECONDS if recent >= COMPLETION_MIN_COUNT else 0.0
 
     def in_flight(self, address: str) -> int:
         """Requests this process has in flight at `address` (the others' not included)."""

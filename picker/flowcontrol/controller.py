@@ -22,7 +22,9 @@ flow's turn like any other, so waiting for a holder neither jumps a flow ahead o
 nor costs it its turns. The wait is not bounded by the time recomputing the
 prefix elsewhere takes: a request sent elsewhere also evicts that pod's own prefixes, and at 120%
 load on shared prefixes that bound (about 0.3 s) kept a hit ratio of 58% against 78% with 3 s
-(BENCHMARKS.md, flow control).
+(BENCHMARKS.md, flow control). It is bounded by the holders' lines: a request that every holder
+would start only after the wait (more requests parked for it than it completes in that time)
+does not wait at all; it would wait in vain and then miss anyway, while a pod with room idles.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ class FlowController:
     `settings` returns the flow-control settings in force (None once the gate is turned off:
     what is still queued is then dispatched without waiting); `saturation` the pool's
     saturation now (dispatch only while it is below the usage limit); `room_at` whether one
-    endpoint (by address) is below it (without it, requests never wait for their prefix holders).
+    endpoint (by address) is below it (without it, requests never wait for their prefix holders);
+    `start_rate` how many requests one endpoint starts a second while it is full (its completion
+    rate; 0.0 when unknown), which bounds the wait by the holder's line.
     """
 
     def __init__(
@@ -66,10 +70,12 @@ class FlowController:
         saturation: Callable[[], float],
         pool_name: str = "",
         room_at: Callable[[str], bool] | None = None,
+        start_rate: Callable[[str], float] | None = None,
     ) -> None:
         self._settings_source = settings
         self._saturation = saturation
         self._room_at = room_at
+        self._start_rate = start_rate
         self._pool = pool_name
         self._settings: FlowControlSettings | None = None
         self._bands: dict[int, PriorityBand] = {}
@@ -282,7 +288,7 @@ class FlowController:
                 item.holders = frozenset()
                 return True
             item.holders = affinity.holders
-            item.wait_until = now + settings.max_affinity_wait
+            item.wait_until = now + self._affinity_wait(item.holders, settings.max_affinity_wait, now)
         if not item.holders or now >= item.wait_until:
             return True
         for holder in item.holders:
@@ -292,6 +298,26 @@ class FlowController:
             if free:
                 return True
         return False
+
+    def _affinity_wait(self, holders: frozenset[str], longest: float, now: float) -> float:
+        """How long a request may wait for one of `holders`: `longest`, unless each of them has
+        more requests parked for it than it starts in that time (then 0: it would wait in vain).
+        A holder whose start rate is not known yet gets the benefit of the doubt."""
+        if self._start_rate is None or not holders or longest <= 0.0:
+            return longest
+        lines = dict.fromkeys(holders, 0)
+        for band in self._bands.values():
+            for item in band.parked_requests():
+                if item.wait_until <= now:
+                    continue  # its wait is over: it goes wherever there is room
+                for holder in item.holders or ():
+                    if holder in lines:
+                        lines[holder] += 1
+        for holder, line in lines.items():
+            rate = self._start_rate(holder)
+            if rate <= 0.0 or (line + 1) <= rate * longest:
+                return longest
+        return 0.0
 
     def _parked_wait_ends(self) -> float:
         """When the first parked request's wait for its holders ends."""

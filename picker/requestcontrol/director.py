@@ -345,7 +345,11 @@ class Director:
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
         datastore.add_listener(self._forget_endpoints)
         self.flow_control = FlowController(
-            lambda: self.runtimes.current.flow_control, self._pool_saturation, pool_name, self._endpoint_has_room
+            lambda: self.runtimes.current.flow_control,
+            self._pool_saturation,
+            pool_name,
+            self._endpoint_has_room,
+            datastore.completion_rate,
         )
         datastore.add_load_listener(self.flow_control.wake)  # completions, metrics, endpoints
 

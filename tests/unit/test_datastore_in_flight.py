@@ -3,7 +3,9 @@ state sync hands it (`set_remote_in_flight`), which every scheduling snapshot ad
 
 from __future__ import annotations
 
-from picker.datastore.store import Datastore
+import time
+
+from picker.datastore.store import COMPLETION_MIN_COUNT, COMPLETION_WINDOW_SECONDS, Datastore
 from picker.discovery.static import parse_endpoint_flag
 
 A, B = "10.0.0.5:8000", "10.0.0.6:8000"
@@ -50,3 +52,18 @@ def test_flow_control_hears_when_other_processes_free_capacity() -> None:
     assert len(changes) == 1
     store.set_remote_in_flight({}, {})  # their reports expired
     assert len(changes) == 2
+
+
+def test_the_completion_rate_counts_releases_over_the_last_window() -> None:
+    store = datastore()
+    assert store.completion_rate(A) == 0.0  # none seen: unknown
+    for _ in range(COMPLETION_MIN_COUNT):
+        assert store.completion_rate(A) == 0.0  # too few to tell a rate
+        store.acquire(A, 10)
+        store.release(A, 10)
+    now = time.monotonic()
+    assert store.completion_rate(A, now) == COMPLETION_MIN_COUNT / COMPLETION_WINDOW_SECONDS
+    assert store.completion_rate(B, now) == 0.0
+    assert store.completion_rate(A, now + COMPLETION_WINDOW_SECONDS + 1) == 0.0  # they aged out
+    store.set_endpoints(parse_endpoint_flag(B))
+    assert store.completion_rate(A, now) == 0.0  # forgotten with the endpoint

@@ -129,6 +129,34 @@ async def test_the_wait_for_a_full_holder_ends_at_max_affinity_wait() -> None:
     assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
 
 
+async def test_a_request_that_its_holder_would_start_only_after_the_wait_does_not_wait() -> None:
+    # a starts 0.5 requests a second: within a 3 s wait it starts one, so the first request
+    # parked for it waits and the second (whose turn would come after the wait) goes at once.
+    pool = Pool()
+    config = settings(max_affinity_wait=3.0)
+    rates = {"a": 0.5}
+    controller = FlowController(
+        lambda: config, lambda: pool.saturation, room_at=pool.room_at, start_rate=lambda h: rates.get(h, 0.0)
+    )
+    client = Client(controller, config)
+    first = client.send("on-a-1", held_at("a"))
+    await until(lambda: controller.count == 1)
+    second = client.send("on-a-2", held_at("a"))
+    await until(lambda: controller.count == 2)
+    pool.saturation = 0.5  # room in the pool (at b), none at a
+    controller.wake()
+    await asyncio.wait_for(second, 1.0)
+    assert client.order == ["on-a-2"] and controller.parked == 1
+    rates["b"] = 0.0
+    unknown = client.send("on-b-unknown-rate", held_at("a", "b"))  # b's rate unknown: it may wait for it
+    pool.free["b"] = False
+    await until(lambda: controller.parked == 2)
+    pool.free["a"] = pool.free["b"] = True
+    controller.wake()
+    await asyncio.wait_for(asyncio.gather(first, unknown), 5.0)
+    assert client.order == ["on-a-2", "on-a-1", "on-b-unknown-rate"]
+
+
 async def test_without_affinity_wait_or_with_room_at_a_holder_it_is_plain_late_binding() -> None:
     pool = Pool()
     pool.saturation = 0.5
