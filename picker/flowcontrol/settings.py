@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 from picker.flowcontrol.policies import FairnessPolicy, OrderingPolicy
 
-# How long at most a request waits for its full prefix holder by default (seconds).
-DEFAULT_MAX_AFFINITY_WAIT = 3.0
+# How long at most a request waits for its full prefix holder by default (seconds). With the
+# holder's line bounding it, 8 s kept the hit ratio of flow control off at 120% load on shared
+# prefixes, and the multi-tenant goodput at 97% of off (3 s: 1.4 points of hit ratio lost).
+DEFAULT_MAX_AFFINITY_WAIT = 8.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,9 @@ learnt too, for the pool: an unqueued request whose predicted prefill is shorter
 overhead teaches it (its TTFT is the step it waited for, the network, the proxy), and no prefill
 rate. Taken as prefill samples, such short prompts (Mooncake's 20-40 token turns answered in
 one 100 ms step) taught rates of a few hundred tokens a second, the backlog then drained a
-hundred times too slowly, and the endpoints with long prompts on it looked busy for a minute. Each sample
+hundred times too slowly, and the endpoints with long prompts on it looked busy for a minute.
+The estimate keeps the prior overhead: it is the same for every endpoint, and a larger one only
+flattens the scores (best / predicted), which the scorer weights were tuned with. Each sample
 moves a rate by at most ×4 (a stall or a burst must not swing it wildly); the first samples are
 averaged (EWMA weight 1/n until it reaches `ewma_alpha`), so a poor prior is soon forgotten.
 
@@ -178,7 +180,7 @@ class TtftModel:
         uncached = max(0, prompt_tokens - cached_tokens)
         queue = ahead / drain_rate
         prefill = uncached / prefill_rate
-        overhead = self.overhead_seconds
+        overhead = self.priors.overhead_seconds
         interference = 0.0
         if interference_weight > 0.0:
             metrics = state.metrics
