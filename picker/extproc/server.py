@@ -183,16 +183,14 @@ class ExtProcServer:
         try:
             routed = await self.director.route(body, headers, subset)
         except RequestError as e:
-            del self._routing[stream]
             self._fail(stream, e)
-            return
         except Exception:
             log.exception("ext_proc stream failed")
-            del self._routing[stream]
             self._fail(stream, _internal_error())
-            return
-        del self._routing[stream]
-        self._answer(stream, routed, body)
+        else:
+            self._answer(stream, routed, body)
+        finally:
+            self._routing.pop(stream, None)  # already gone when the stream closed (cancelled)
 
     def _answer(self, stream: int, routed: RoutedRequest, body: bytes | None) -> None:
         self._routed[stream] = routed
