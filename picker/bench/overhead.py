@@ -19,6 +19,10 @@ kube-apiserver + etcd (`picker.bench.reference_epp`).
 
 `--endpoints N` gives the backend N ports, so every picker chooses among N endpoints.
 
+`--repeat K` measures every variant K times, round after round (each round goes through all the
+variants in turn), and reports each figure's median over the rounds: a difference of tens of µs
+between two variants is smaller than one short run's noise on a shared machine.
+
 Every FULL_DUPLEX variant is also measured with streamed responses (`--stream-chunks`, 256 SSE
 events per answer, one word each, written separately): at `--stream-rate` req/s, once with plain
 answers and once streamed, the extra CPU of the picker divided by the extra ext_proc messages
@@ -33,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,6 +202,58 @@ def chunk_cost(
     return ChunkCost(extra, (streamed_cpu - plain_cpu) / max(extra, 1e-9) * 1e6, errors)
 
 
+def measure_sizes(
+    url: str, pid: int | None, rate: float, seconds: float, saturation_seconds: int, work: Path
+) -> dict[str, dict[str, float]]:
+    """For each body size: latency at `rate` req/s, then the rate wrk reaches, the CPU per request
+    of the process `pid` (the picker; None: none) at that rate and how busy the machine was."""
+    figures: dict[str, dict[str, float]] = {}
+    for label, size in BODY_SIZES.items():
+        body = body_of(size)
+        body_file = work / f"body-{label}.json"
+        body_file.write_bytes(body)
+        fixed = asyncio.run(fixed_rate(url, body, rate, seconds))
+        cpu_before = cpu_seconds(pid) if pid is not None else 0.0
+        busy_before, total_before = machine_cpu()
+        sat, sent = saturation(url, body_file, saturation_seconds)
+        # The picker's own CPU per request at saturation: steadier than rates on a shared box.
+        cpu_us = (cpu_seconds(pid) - cpu_before) / max(sent, 1) * 1e6 if pid is not None else 0.0
+        # How busy the whole machine was meanwhile: near 100%, no variant can go faster here.
+        busy_after, total_after = machine_cpu()
+        busy = (busy_after - busy_before) / max(total_after - total_before, 1e-9)
+        figures[label] = {
+            "p50_ms": fixed.p50_ms,
+            "p99_ms": fixed.p99_ms,
+            "errors": fixed.errors,
+            "max_rps": sat,
+            "picker_cpu_us": cpu_us,
+            "machine_busy": busy,
+        }
+    return figures
+
+
+def with_added_latency(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """`results` (one round) with each variant's latency above Envoy alone's in the same round."""
+    base = results["envoy alone"]
+    for by_size in results.values():
+        for label, figures in by_size.items():
+            figures["added_p50_ms"] = figures["p50_ms"] - base[label]["p50_ms"]
+            figures["added_p99_ms"] = figures["p99_ms"] - base[label]["p99_ms"]
+    return results
+
+
+def median_over(rounds: list[dict[str, dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each figure's median over the rounds (every round measures the same variants and sizes)."""
+    first = rounds[0]
+    return {
+        name: {
+            label: {key: statistics.median(r[name][label][key] for r in rounds) for key in figures}
+            for label, figures in by_size.items()
+        }
+        for name, by_size in first.items()
+    }
+
+
 def tree_env(tree: Path) -> dict[str, str]:
     """The environment that makes `python -m picker...` import `tree`'s sources. PYTHONPATH alone
     is not enough: `-m` puts the working directory (this checkout) ahead of it on sys.path, so a
@@ -256,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoints", type=int, default=1, help="backend ports = endpoints to choose among")
     parser.add_argument("--stream-chunks", type=int, default=256, help="SSE events per streamed answer; 0: skip")
     parser.add_argument("--stream-rate", type=float, default=20.0, help="req/s of the streamed-response runs")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over all variants; figures are medians")
     args = parser.parse_args(argv)
     try:
         configs = parse_picker_configs(args.picker_config)
@@ -266,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("wrk is required for the saturation runs: apt-get install wrk", file=sys.stderr)
         return 2
-    if args.endpoints < 1 or args.stream_chunks < 0 or args.stream_rate <= 0:
-        parser.error("--endpoints must be at least 1, --stream-chunks at least 0, --stream-rate positive")
+    if args.endpoints < 1 or args.stream_chunks < 0 or args.stream_rate <= 0 or args.repeat < 1:
+        parser.error("--endpoints and --repeat must be at least 1, --stream-chunks at least 0, --stream-rate positive")
     if args.reference_epp is not None and not os.access(args.reference_epp, os.X_OK):
         parser.error(f"--reference-epp {args.reference_epp}: not an executable file")
     if args.reference_epp is not None and args.endpoints > MAX_TARGET_PORTS:
@@ -348,52 +406,36 @@ def main(argv: list[str] | None = None) -> int:
                 tls=tls,
             )
             variants["reference EPP FULL_DUPLEX + response"] = (config, reference.pid)
-        results: dict[str, dict[str, dict[str, float]]] = {}
+        rounds: list[dict[str, dict[str, dict[str, float]]]] = []
         chunk_costs: dict[str, ChunkCost] = {}
-        for name, (config, pid) in variants.items():
-            envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
-            processes.append(envoy)
-            envoy.wait_ready(envoy.ready)
-            url = envoy.url + "/v1/completions"
-            for label, size in BODY_SIZES.items():
-                body = body_of(size)
-                body_file = work / f"body-{label}.json"
-                body_file.write_bytes(body)
-                rate = asyncio.run(fixed_rate(url, body, args.rate, args.seconds))
-                cpu_before = cpu_seconds(pid) if pid is not None else 0.0
-                busy_before, total_before = machine_cpu()
-                sat, sent = saturation(url, body_file, args.saturation_seconds)
-                # The picker's own CPU per request at saturation: steadier than rates on a shared box.
-                cpu_us = (cpu_seconds(pid) - cpu_before) / max(sent, 1) * 1e6 if pid is not None else 0.0
-                # How busy the whole machine was meanwhile: near 100%, no variant can go faster here.
-                busy_after, total_after = machine_cpu()
-                busy = (busy_after - busy_before) / max(total_after - total_before, 1e-9)
-                results.setdefault(name, {})[label] = {
-                    "p50_ms": rate.p50_ms,
-                    "p99_ms": rate.p99_ms,
-                    "errors": rate.errors,
-                    "max_rps": sat,
-                    "picker_cpu_us": cpu_us,
-                    "machine_busy": busy,
-                }
-                print(
-                    f"{name:32} {label:5} p50 {rate.p50_ms:6.2f} ms  p99 {rate.p99_ms:6.2f} ms  "
-                    f"errors {rate.errors}  max {sat:7.0f} req/s  picker CPU {cpu_us:6.0f} µs/req  "
-                    f"machine {busy:4.0%} busy",
-                    flush=True,
-                )
-            if pid is not None and "FULL_DUPLEX" in name and args.stream_chunks:
-                cost = chunk_cost(
-                    envoy, url, pid, args.stream_rate, args.seconds, BODY_SIZES["2KB"], args.stream_chunks
-                )
-                chunk_costs[name] = cost
-                print(
-                    f"{name:32} streamed {args.stream_chunks} events: +{cost.messages_per_request:.0f} ext_proc "
-                    f"messages per answer, {cost.cpu_us_per_chunk:.1f} µs CPU per chunk, errors {cost.errors}",
-                    flush=True,
-                )
-            envoy.stop()
-        base = results["envoy alone"]
+        for round_number in range(1, args.repeat + 1):
+            results: dict[str, dict[str, dict[str, float]]] = {}
+            for name, (config, pid) in variants.items():
+                envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
+                processes.append(envoy)
+                envoy.wait_ready(envoy.ready)
+                url = envoy.url + "/v1/completions"
+                results[name] = measure_sizes(url, pid, args.rate, args.seconds, args.saturation_seconds, work)
+                for label, r in results[name].items():
+                    print(
+                        f"{round_number}/{args.repeat} {name:32} {label:5} p50 {r['p50_ms']:6.2f} ms  "
+                        f"p99 {r['p99_ms']:6.2f} ms  errors {r['errors']:.0f}  max {r['max_rps']:7.0f} req/s  "
+                        f"picker CPU {r['picker_cpu_us']:6.0f} µs/req  machine {r['machine_busy']:4.0%} busy",
+                        flush=True,
+                    )
+                if round_number == 1 and pid is not None and "FULL_DUPLEX" in name and args.stream_chunks:
+                    cost = chunk_cost(
+                        envoy, url, pid, args.stream_rate, args.seconds, BODY_SIZES["2KB"], args.stream_chunks
+                    )
+                    chunk_costs[name] = cost
+                    print(
+                        f"{name:32} streamed {args.stream_chunks} events: +{cost.messages_per_request:.0f} ext_proc "
+                        f"messages per answer, {cost.cpu_us_per_chunk:.1f} µs CPU per chunk, errors {cost.errors}",
+                        flush=True,
+                    )
+                envoy.stop()
+            rounds.append(with_added_latency(results))
+        results = median_over(rounds)
         print(
             "\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | picker CPU µs/req "
             "| machine busy at max |"
@@ -403,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, r in by_size.items():
                 print(
                     f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                    f"{r['p50_ms'] - base[label]['p50_ms']:.2f} | {r['p99_ms'] - base[label]['p99_ms']:.2f} | "
+                    f"{r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | "
                     f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} | {r['machine_busy']:.0%} |"
                 )
         if chunk_costs:
@@ -414,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {cost.messages_per_request:.0f} | {cost.cpu_us_per_chunk:.1f} |")
         summary = {
             "variants": results,
+            "rounds": rounds,
             "chunk_cost": {name: asdict(cost) for name, cost in chunk_costs.items()},
             "start_to_serving_seconds": startup,
         }

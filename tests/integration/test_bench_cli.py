@@ -115,7 +115,9 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
     for name, system in results["systems"].items():
         assert system["requests"] > 10 and system["errors"] == 0, (name, system)
         assert 0 < system["hit_ratio"] <= results["fleet_bound_hit_ratio"] <= results["bound_hit_ratio"]
-        assert system["ttft_p50_s"] <= system["ttft_p99_s"] <= system["e2e_p50_s"] * 10
+        # every request's first token comes before its last, so each TTFT quantile is at most E2E's
+        assert system["ttft_p50_s"] <= system["ttft_p99_s"] <= system["e2e_p99_s"]
+        assert system["ttft_p50_s"] <= system["e2e_p50_s"]
         assert set(system["pods"]) == {"sim-0", "sim-1"}  # from x-inference-pod, through every gateway
         floor = results["ttft_floor_s"]  # a lower bound for every system
         assert 0 < floor["p50"] <= system["ttft_p50_s"] and floor["p99"] <= system["ttft_p99_s"], (name, floor)

@@ -1,4 +1,5 @@
-"""The overhead bench's CPU accounting (a process's own CPU and the whole machine's) and its baseline tree."""
+"""The overhead bench's CPU accounting (a process's own CPU and the whole machine's), its baseline
+tree and its rounds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 from time import perf_counter, process_time
 
-from picker.bench.overhead import cpu_seconds, machine_cpu, tree_env
+from picker.bench.overhead import cpu_seconds, machine_cpu, median_over, tree_env, with_added_latency
 
 
 def _burn(seconds: float) -> None:
@@ -28,7 +29,7 @@ def test_busy_machine_time_covers_the_cpu_this_process_burns() -> None:
     busy, total = busy_after - busy_before, total_after - total_before
     assert own >= 0.2  # clock ticks are 10 ms: allow rounding
     assert busy >= own - 0.05  # the machine was at least as busy as this process
-    assert busy <= total  # never more busy than there was time
+    assert busy <= total + 1e-9  # never more busy than there was time (equal when fully busy, up to rounding)
     assert total >= elapsed * 0.5  # all cores' time passed, at least most of one core's
 
 
@@ -48,3 +49,21 @@ def test_a_baseline_tree_runs_its_own_sources_not_the_checkout_it_is_started_fro
         timeout=60,
     ).stdout
     assert out.strip() == "baseline"
+
+
+def test_rounds_report_each_figures_median_and_latency_added_within_its_own_round() -> None:
+    def round_of(base: float, gate_off: float, gate_on: float, cpu: float) -> dict[str, dict[str, dict[str, float]]]:
+        return with_added_latency(
+            {
+                "envoy alone": {"2KB": {"p50_ms": base, "p99_ms": base, "picker_cpu_us": 0.0}},
+                "off": {"2KB": {"p50_ms": gate_off, "p99_ms": gate_off * 2, "picker_cpu_us": cpu}},
+                "on": {"2KB": {"p50_ms": gate_on, "p99_ms": gate_on * 2, "picker_cpu_us": cpu + 10}},
+            }
+        )
+
+    # the machine's state shifts every variant of a round alike; the added latency cancels it
+    rounds = [round_of(1.0, 2.0, 2.1, 100), round_of(5.0, 6.0, 6.2, 300), round_of(0.5, 1.5, 1.6, 200)]
+    medians = median_over(rounds)
+    assert medians["on"]["2KB"]["added_p50_ms"] == 1.1 and medians["off"]["2KB"]["added_p50_ms"] == 1.0
+    assert medians["on"]["2KB"]["p50_ms"] == 2.1 and medians["on"]["2KB"]["picker_cpu_us"] == 210
+    assert medians["envoy alone"]["2KB"]["added_p50_ms"] == 0.0
