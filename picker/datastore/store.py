@@ -40,6 +40,9 @@ class Datastore:
         self._listeners: list[EndpointListener] = []
         self._load_listeners: list[Callable[[], None]] = []
         self.synced = False  # True once discovery has delivered a full endpoint list
+        # The whole pool's snapshot, kept until something it is made of changes: one request
+        # reads it several times (flow control, scheduling) with nothing changed in between.
+        self._snapshot: tuple[EndpointState, ...] | None = None
 
     # -- endpoints (written by discovery) --------------------------------------------------
 
@@ -48,6 +51,7 @@ class Datastore:
         new = {e.address: e for e in endpoints}
         old = self._endpoints
         self._endpoints = new
+        self._snapshot = None
         for address in old.keys() - new.keys():
             self._metrics.pop(address, None)
             self._in_flight_requests.pop(address, None)
@@ -104,6 +108,7 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
+            self._snapshot = None
             self._load_changed()
 
     def metrics(self, address: str) -> EndpointMetrics:
@@ -114,6 +119,7 @@ class Datastore:
     def acquire(self, address: str, tokens: int) -> None:
         self._in_flight_requests[address] = self._in_flight_requests.get(address, 0) + 1
         self._in_flight_tokens[address] = self._in_flight_tokens.get(address, 0) + tokens
+        self._snapshot = None
         if self.in_flight_listener is not None:
             self.in_flight_listener()
 
@@ -122,6 +128,7 @@ class Datastore:
             return  # the endpoint left the pool while the request ran
         self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
         self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
+        self._snapshot = None
         completions = self._completions.get(address)
         if completions is None:
             completions = self._completions[address] = deque(maxlen=_COMPLETIONS_KEPT)
@@ -132,12 +139,15 @@ class Datastore:
 
     def completion_rate(self, address: str, now: float | None = None) -> float:
         """Requests this process saw end at `address` per second over the last
-        `COMPLETION_WINDOW_SECONDS` (0.0, unknown, when fewer than `COMPLETION_MIN_COUNT` did)."""
+        `COMPLETION_WINDOW_SECONDS` (0.0, unknown, when fewer than `COMPLETION_MIN_COUNT` did).
+        Releases that left the window are dropped, so `now` must not go back between calls."""
         completions = self._completions.get(address)
         if not completions:
             return 0.0
         since = (time.monotonic() if now is None else now) - COMPLETION_WINDOW_SECONDS
-        recent = sum(1 for t in completions if t > since)
+        while completions and completions[0] <= since:
+            completions.popleft()  # out of the window for good: time only moves on
+        recent = len(completions)
         return recent / COMPLETION_WINDOW_SECONDS if recent >= COMPLETION_MIN_COUNT else 0.0
 
     def in_flight(self, address: str) -> int:
@@ -154,19 +164,23 @@ class Datastore:
         dropped = any(n > requests.get(a, 0) for a, n in self._remote_requests.items())
         self._remote_requests = requests
         self._remote_tokens = tokens
+        self._snapshot = None
         if dropped:
             self._load_changed()  # capacity freed elsewhere: flow control may dispatch
 
     # -- snapshots (read by the request path) ----------------------------------------------
 
     def snapshot(self, addresses: Iterable[str] | None = None) -> list[EndpointState]:
-        """The state of every endpoint, or of those of `addresses` that are in the pool."""
+        """The state of every endpoint, or of those of `addresses` that are in the pool (a new
+        list each time: callers may change it)."""
         endpoints = self._endpoints
-        selected: Iterable[Endpoint]
         if addresses is None:
-            selected = endpoints.values()
-        else:
-            selected = [endpoints[a] for a in addresses if a in endpoints]
+            if self._snapshot is None:
+                self._snapshot = tuple(self._states(endpoints.values()))
+            return list(self._snapshot)
+        return self._states([endpoints[a] for a in addresses if a in endpoints])
+
+    def _states(self, selected: Iterable[Endpoint]) -> list[EndpointState]:
         metrics = self._metrics
         requests = self._in_flight_requests
         tokens = self._in_flight_tokens

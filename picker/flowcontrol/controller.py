@@ -34,9 +34,9 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from time import perf_counter
+from types import TracebackType
 from typing import Any
 
 from picker.flowcontrol.queues import Outcome, PriorityBand, QueuedRequest
@@ -89,22 +89,26 @@ class FlowController:
         self._tick: asyncio.TimerHandle | None = None
         self._series: dict[tuple[str, ...], list[int]] = {}  # gauge labels → [requests, bytes]
         self._saturation_gauge = metrics.FLOW_POOL_SATURATION.labels(pool_name)
+        self._histograms: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     # -- the request side --------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def dispatched(
+    def dispatched(
         self,
         settings: FlowControlSettings,
         request: InferenceRequest,
         priority: int,
         affinity: AffinityLookup | None = None,
-    ) -> AsyncIterator[None]:
-        """Hold `request` until it is dispatched; the body runs the scheduling of the dispatched
-        request, and leaving it lets the next dispatch go. Raises RequestError when the queue is
-        full (429) or the TTL expires first (503); a cancelled wait leaves the queue at once.
-        `affinity` says (when asked, at dispatch time) where the request's prefix is cached."""
-        item = self._enqueue(settings, request, priority, affinity)
+    ) -> Dispatch:
+        """`async with` it: holds `request` until it is dispatched; the body runs the scheduling
+        of the dispatched request, and leaving it lets the next dispatch go. Entering raises
+        RequestError when the queue is full (429) or the TTL expires first (503); a cancelled wait
+        leaves the queue at once. `affinity` says (when asked, at dispatch time) where the
+        request's prefix is cached."""
+        return Dispatch(self, settings, request, priority, affinity)
+
+    async def _wait(self, item: QueuedRequest) -> None:
+        """Wait for `item`'s dispatch (no suspension when it was dispatched at once)."""
         try:
             await item.future
         except asyncio.CancelledError:
@@ -114,10 +118,6 @@ class FlowController:
             raise
         if item.state is Outcome.EVICTED_TTL:
             raise RequestError("ServiceUnavailable", "request timed out in queue: the flow-control TTL expired")
-        try:
-            yield
-        finally:
-            self._settle(item)
 
     def _enqueue(
         self,
@@ -140,10 +140,9 @@ class FlowController:
             and (not band_settings.max_bytes or (band.bytes if band else 0) + item.size <= band_settings.max_bytes)
             and (not band_settings.max_requests or (band.count if band else 0) + 1 <= band_settings.max_requests)
         )
-        labels = (item.fairness_id, str(priority))
         if not fits:
             item.state = Outcome.REJECTED_CAPACITY
-            metrics.FLOW_ENQUEUE_DURATION.labels(*labels, item.state.value).observe(perf_counter() - started)
+            self._observe_enqueue_time(item, Outcome.REJECTED_CAPACITY, started)
             self._observe_queue_time(item)
             raise RequestError("ResourceExhausted", "flow control queue at capacity")
         if not self.count and self._handoff is None and self._has_room(settings) and self._may_go(item, now, {}):
@@ -151,7 +150,7 @@ class FlowController:
             item.state = Outcome.DISPATCHED
             self._handoff = item
             item.future.set_result(Outcome.DISPATCHED)
-            metrics.FLOW_ENQUEUE_DURATION.labels(*labels, Outcome.QUEUED.value).observe(perf_counter() - started)
+            self._observe_enqueue_time(item, Outcome.QUEUED, started)
             self._observe_queue_time(item)
             return item
         if band is None:
@@ -163,7 +162,7 @@ class FlowController:
         self._gauge(item, 1)
         if ttl is not None:
             item.timer = loop.call_later(ttl, self._expire, item)
-        metrics.FLOW_ENQUEUE_DURATION.labels(*labels, Outcome.QUEUED.value).observe(perf_counter() - started)
+        self._observe_enqueue_time(item, Outcome.QUEUED, started)
         self._cycle()  # work conserving: with room and nothing ahead, it is dispatched right here
         return item
 
@@ -277,7 +276,8 @@ class FlowController:
 
     def _may_go(self, item: QueuedRequest, now: float, room: dict[str, bool]) -> bool:
         """Whether `item` may be dispatched now: nothing cached anywhere, a holder with room, or
-        its wait for a holder over (asked once, on its first turn)."""
+        its wait for a holder over (where the prefix is cached is asked once, on its first turn;
+        how long it may wait, the first time every holder is full)."""
         settings = self._settings
         if settings is None or self._room_at is None:
             return True
@@ -288,8 +288,7 @@ class FlowController:
                 item.holders = frozenset()
                 return True
             item.holders = affinity.holders
-            item.wait_until = now + self._affinity_wait(item.holders, settings.max_affinity_wait, now)
-        if not item.holders or now >= item.wait_until:
+        if not item.holders:
             return True
         for holder in item.holders:
             free = room.get(holder)
@@ -297,7 +296,9 @@ class FlowController:
                 free = room[holder] = self._room_at(holder)
             if free:
                 return True
-        return False
+        if item.wait_until is None:
+            item.wait_until = now + self._affinity_wait(item.holders, settings.max_affinity_wait, now)
+        return now >= item.wait_until
 
     def _affinity_wait(self, holders: frozenset[str], longest: float, now: float) -> float:
         """How long a request may wait for one of `holders`: `longest`, unless each of them has
@@ -308,7 +309,7 @@ class FlowController:
         lines = dict.fromkeys(holders, 0)
         for band in self._bands.values():
             for item in band.parked_requests():
-                if item.wait_until <= now:
+                if item.wait_until is None or item.wait_until <= now:
                     continue  # its wait is over: it goes wherever there is room
                 for holder in item.holders or ():
                     if holder in lines:
@@ -322,7 +323,13 @@ class FlowController:
     def _parked_wait_ends(self) -> float:
         """When the first parked request's wait for its holders ends."""
         return min(
-            (item.wait_until for band in self._bands.values() for item in band.parked_requests()), default=math.inf
+            (
+                item.wait_until
+                for band in self._bands.values()
+                for item in band.parked_requests()
+                if item.wait_until is not None
+            ),
+            default=math.inf,
         )
 
     # -- metrics ------------------------------------------------------------------------------
@@ -346,11 +353,30 @@ class FlowController:
             metrics.FLOW_QUEUE_SIZE.labels(*labels).set(load[0])
             metrics.FLOW_QUEUE_BYTES.labels(*labels).set(load[1])
 
+    def _histogram(self, histogram: Any, labels: tuple[str, ...]) -> Any:
+        """`histogram`'s child for `labels`, looked up in prometheus_client once per label set
+        (histograms keep every label set anyway; this keeps the lookup off each request)."""
+        key = (histogram, labels)
+        child = self._histograms.get(key)
+        if child is None:
+            child = self._histograms[key] = histogram.labels(*labels)
+        return child
+
+    def _observe_enqueue_time(self, item: QueuedRequest, outcome: Outcome, started: float) -> None:
+        labels = (item.fairness_id, str(item.priority), outcome.value)
+        self._histogram(metrics.FLOW_ENQUEUE_DURATION, labels).observe(perf_counter() - started)
+
     def _observe_queue_time(self, item: QueuedRequest) -> None:
         request = item.request
-        metrics.FLOW_QUEUE_DURATION.labels(
-            item.fairness_id, str(item.priority), item.state.value, self._pool, request.model, request.target_model
-        ).observe(time.monotonic() - item.enqueued_at)
+        labels = (
+            item.fairness_id,
+            str(item.priority),
+            item.state.value,
+            self._pool,
+            request.model,
+            request.target_model,
+        )
+        self._histogram(metrics.FLOW_QUEUE_DURATION, labels).observe(time.monotonic() - item.enqueued_at)
 
     @property
     def parked(self) -> int:
@@ -364,3 +390,36 @@ class FlowController:
             "bytes": self.bytes,
             "bands": {p: {"requests": b.count, "bytes": b.bytes} for p, b in self._bands.items()},
         }
+
+
+class Dispatch:
+    """One request's passage through flow control, as an async context manager (a class rather
+    than a generator: this runs for every request while the gate is on)."""
+
+    __slots__ = ("_affinity", "_controller", "_item", "_priority", "_request", "_settings")
+
+    def __init__(
+        self,
+        controller: FlowController,
+        settings: FlowControlSettings,
+        request: InferenceRequest,
+        priority: int,
+        affinity: AffinityLookup | None,
+    ) -> None:
+        self._controller = controller
+        self._settings = settings
+        self._request = request
+        self._priority = priority
+        self._affinity = affinity
+        self._item: QueuedRequest | None = None
+
+    async def __aenter__(self) -> None:
+        controller = self._controller
+        item = self._item = controller._enqueue(self._settings, self._request, self._priority, self._affinity)
+        await controller._wait(item)
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._item is not None:
+            self._controller._settle(self._item)

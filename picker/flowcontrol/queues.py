@@ -79,10 +79,11 @@ class QueuedRequest:
         self.state = Outcome.QUEUED
         self.timer: asyncio.TimerHandle | None = None
         # Late binding with prefix affinity: `affinity` says where the prompt's prefix is cached;
-        # once asked, `holders` (empty: anywhere will do) and the end of the wait for them.
+        # once asked, `holders` (empty: anywhere will do); once they were all full, the end of
+        # the wait for them.
         self.affinity = affinity
         self.holders: frozenset[str] | None = None
-        self.wait_until = 0.0
+        self.wait_until: float | None = None
         self.parked = False  # in its flow's parked list rather than its heap
 
     @property

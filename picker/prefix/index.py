@@ -67,6 +67,7 @@ class PrefixIndex:
         self._capacities: dict[str, int] = {}
         self._reuse: dict[str, _RecentReuse] = {}
         self._size = 0
+        self.version = 0  # changes whenever what `match` answers may change
 
     def __len__(self) -> int:
         """Total LRU entries over all endpoints (the reference's indexer size)."""
@@ -127,6 +128,7 @@ class PrefixIndex:
         engine does, and matches stay unbroken. With `count_reuse` False, blocks already held are not
         counted as sent again (the same request's prompt, extended by its answer).
         """
+        self.version += 1
         lru = self._lrus.get(endpoint)
         if lru is None:
             lru = self._lrus[endpoint] = OrderedDict()
@@ -162,6 +164,7 @@ class PrefixIndex:
 
     def remove(self, endpoints: Iterable[str]) -> None:
         """Forget everything `endpoints` held (they left the pool)."""
+        self.version += 1
         for endpoint in endpoints:
             lru = self._lrus.pop(endpoint, None)
             self._capacities.pop(endpoint, None)

@@ -175,6 +175,9 @@ def prompt_and_cached_tokens(
 PROMPT_BLOCKS_KEY = StateKey("PromptBlocks", PromptBlocks)
 # Set once prepare_async has hashed the prompt (blocks or none), so prepare does not hash again.
 _HASHED_KEY = StateKey("approx-prefix-cache-producer/hashed", bool)
+# The index's match for the prompt's blocks and the index version it was read at: flow control's
+# affinity lookup and the scheduling right after it (a request dispatched at once) ask the same.
+_MATCHED_KEY = StateKey("approx-prefix-cache-producer/matched", tuple)
 
 
 class Pick(NamedTuple):
@@ -373,13 +376,25 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
             cycle_state[_HASHED_KEY] = True
         return blocks
 
+    def _match(self, blocks: PromptBlocks, cycle_state: CycleState) -> dict[str, int]:
+        """How many leading blocks each endpoint holds; read from the index again only once it
+        has changed since this request last read it."""
+        version = self.index.version
+        kept = cycle_state.read(_MATCHED_KEY)
+        if kept is not None and kept[0] == version:
+            matched: dict[str, int] = kept[1]
+            return matched
+        matched = self.index.match(blocks.hashes)
+        cycle_state[_MATCHED_KEY] = (version, matched)
+        return matched
+
     def affinity(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
     ) -> Affinity | None:
         blocks = self._blocks(request, candidates, cycle_state)
         if blocks is None:
             return None
-        matched = self.index.match(blocks.hashes)
+        matched = self._match(blocks, cycle_state)
         depth = max((matched.get(c.address, 0) for c in candidates), default=0)
         if not depth:
             return None
@@ -394,7 +409,7 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         blocks = self._blocks(request, candidates, cycle_state)
         if blocks is None:
             return
-        matched = self.index.match(blocks.hashes)
+        matched = self._match(blocks, cycle_state)
         bounded = over_bound(candidates, self.config.max_load_factor)
         over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
         match = PrefixMatch(blocks, matched, over, self._room)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from picker.datastore.endpoint import EndpointMetrics
 from picker.datastore.store import COMPLETION_MIN_COUNT, COMPLETION_WINDOW_SECONDS, Datastore
 from picker.discovery.static import parse_endpoint_flag
 
@@ -67,3 +68,28 @@ def test_the_completion_rate_counts_releases_over_the_last_window() -> None:
     assert store.completion_rate(A, now + COMPLETION_WINDOW_SECONDS + 1) == 0.0  # they aged out
     store.set_endpoints(parse_endpoint_flag(B))
     assert store.completion_rate(A, now) == 0.0  # forgotten with the endpoint
+
+
+def test_a_kept_snapshot_follows_every_change_and_is_never_shared() -> None:
+    """The whole pool's snapshot is kept between changes; each change shows in the next one."""
+    store = datastore()
+
+    def view() -> list[tuple[str, int, int, int]]:
+        return [
+            (s.address, s.in_flight_requests, s.in_flight_tokens, s.metrics.waiting_queue_size)
+            for s in store.snapshot()
+        ]
+
+    first = store.snapshot()
+    first.clear()  # a caller's list is its own
+    assert view() == [(A, 0, 0, 0), (B, 0, 0, 0)]
+    store.acquire(A, 10)
+    assert view() == [(A, 1, 10, 0), (B, 0, 0, 0)]
+    store.set_metrics(B, EndpointMetrics(waiting_queue_size=3, update_time=1.0))
+    assert view() == [(A, 1, 10, 0), (B, 0, 0, 3)]
+    store.set_remote_in_flight({B: 2}, {B: 5})
+    assert view() == [(A, 1, 10, 0), (B, 2, 5, 3)]
+    store.release(A, 10)
+    assert view() == [(A, 0, 0, 0), (B, 2, 5, 3)]
+    store.set_endpoints(parse_endpoint_flag(B))
+    assert view() == [(B, 2, 5, 3)]

@@ -309,3 +309,41 @@ schedulingProfiles:
   plugins: [{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
 """
     assert holder.build(parse_text(text)).affinity_source is None  # nothing knows where prefixes are
+
+
+def test_the_queues_prefix_match_serves_the_scheduling_until_the_index_changes() -> None:
+    store = Datastore()
+    store.set_endpoints([Endpoint(f"10.0.0.{i}", 8000) for i in (1, 2)])
+    first_pod, second_pod = store.snapshot()
+    registration = PLUGINS.lookup("approx-prefix-cache-producer")
+    assert registration is not None
+    producer = registration.factory("approx-prefix-cache-producer", {}, Handle(store))
+    assert isinstance(producer, ApproxPrefixCacheProducer)
+    prompt = "You are a helpful assistant. " * 40
+
+    def routed_to(state: object, question: str) -> None:
+        request, cycle_state = completion(question), CycleState()
+        producer.prepare(request, store.snapshot(), cycle_state)
+        producer.pre_request(request, SchedulingResult({"default": ProfileRunResult((state,))}, "default", cycle_state))
+
+    def completion(question: str) -> InferenceRequest:
+        return InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text=prompt + question)
+
+    routed_to(second_pod, "one")
+    reads: list[int] = []
+    match = producer.index.match
+    producer.index.match = lambda hashes: reads.append(1) or match(hashes)  # type: ignore[method-assign]
+
+    at_once, state = completion("two"), CycleState()
+    assert producer.affinity(at_once, store.snapshot(), state) == Affinity(frozenset({second_pod.address}))
+    producer.prepare(at_once, store.snapshot(), state)  # dispatched at once: nothing changed since
+    assert len(reads) == 1
+
+    queued, state = completion("three"), CycleState()
+    assert producer.affinity(queued, store.snapshot(), state) == Affinity(frozenset({second_pod.address}))
+    routed_to(first_pod, "four")  # while it waited, the prefix went to the other pod as well
+    producer.prepare(queued, store.snapshot(), state)
+    prefix = state.read(PREFIX_MATCH_KEY)
+    assert (
+        prefix is not None and prefix.matched_blocks(first_pod.address) == prefix.matched_blocks(second_pod.address) > 0
+    )
