@@ -3,7 +3,8 @@
 `python -m picker.bench.overhead [--seconds S] [--rate R]` starts a fast backend, the picker and
 Envoy (alone; with the picker in BUFFERED mode; with the picker in FULL_DUPLEX_STREAMED mode with
 response phases, as the reference gateway runs), then for 2 KB and 64 KB bodies measures latency
-at a fixed open-loop rate (Python client) and the saturation rate (wrk, 64 connections).
+at a fixed open-loop rate (Python client), latency one request at a time (wrk, one connection:
+the steadiest figure of what the picker adds) and the saturation rate (wrk, 64 connections).
 
 `--workers N` also runs a picker of N processes (`picker serve --workers N`) beside the one of a
 single process, in the same run; its CPU is that of all its processes.
@@ -11,7 +12,10 @@ single process, in the same run; its CPU is that of all its processes.
 `--baseline-tree DIR` also runs the picker of another source tree (e.g. a `git worktree` of an
 earlier commit) through the same two picker variants, in the same run, to compare a change.
 `--picker-config LABEL=FILE` (repeatable) also runs a picker with that EndpointPickerConfig, named
-`picker:LABEL`, the same way (e.g. the flowControl gate on and off).
+`picker:LABEL`, the same way (e.g. the flowControl gate on and off). With `--one-process` those
+configs take turns in one picker instead, swapped in by hot reload before each variant runs:
+two pickers of one config differ by up to 30% in added latency here, which would hide a
+difference of a few percent between configs.
 
 `--reference-epp PATH` also runs the reference EPP v1.5.0 binary at PATH (`--enable-pprof=false`)
 in FULL_DUPLEX_STREAMED mode with response phases, the only mode it answers, over a real
@@ -20,8 +24,8 @@ kube-apiserver + etcd (`picker.bench.reference_epp`).
 `--endpoints N` gives the backend N ports, so every picker chooses among N endpoints.
 
 `--repeat K` measures every variant K times, round after round (each round goes through all the
-variants in turn), and reports each figure's median over the rounds: a difference of tens of µs
-between two variants is smaller than one short run's noise on a shared machine.
+variants in turn, every other round in reverse order), and reports each figure's median over the
+rounds: a difference of tens of µs between two variants is smaller than one short run's noise.
 
 Every FULL_DUPLEX variant is also measured with streamed responses (`--stream-chunks`, 256 SSE
 events per answer, one word each, written separately): at `--stream-rate` req/s, once with plain
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -42,15 +47,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from hashlib import sha256
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
 from picker.bench.cli import parse_picker_configs
 from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
-from picker.bench.process import ManagedProcess, free_port, health_serving, port_open
+from picker.bench.process import ManagedProcess, free_port, health_serving, port_open, wait_until
 from picker.bench.reference_epp import MAX_TARGET_PORTS, ReferenceEpp
 
 BODY_SIZES = {"2KB": 2048, "64KB": 65536}
@@ -118,25 +126,44 @@ async def fixed_rate(url: str, body: bytes, rate: float, seconds: float) -> Rate
     return RateResult(1000 * _percentile(latencies, 0.5), 1000 * _percentile(latencies, 0.99), errors)
 
 
-def saturation(url: str, body_file: Path, seconds: int) -> tuple[float, int]:
-    """Requests per second wrk reaches with 64 connections, and how many it sent (non-2xx
-    counted as failures)."""
+def _wrk(url: str, body_file: Path, seconds: float, connections: int) -> str:
+    """wrk's report of `connections` connections POSTing `body_file` for `seconds` (whole
+    seconds, at least one: wrk reads no fractions), with its latency distribution; raises on a
+    non-2xx answer."""
     script = body_file.with_suffix(".lua")
     script.write_text(
         f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
     )
     out = subprocess.run(
-        ["wrk", "-t1", "-c64", f"-d{seconds}s", "-s", str(script), url],
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency", "-s", str(script), url],
         capture_output=True,
         text=True,
         timeout=seconds + 30,
     ).stdout
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
+    return out
+
+
+def saturation(url: str, body_file: Path, seconds: int) -> tuple[float, int]:
+    """Requests per second wrk reaches with 64 connections, and how many it sent."""
+    out = _wrk(url, body_file, seconds, 64)
     rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
     sent = re.search(r"(\d+) requests in", out)
     return (float(rate.group(1)) if rate else float("nan")), (int(sent.group(1)) if sent else 0)
+
+
+_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def one_at_a_time(url: str, body_file: Path, seconds: float) -> float:
+    """The median latency in ms of requests sent one after another on one connection: the time
+    a request spends in the path with nothing queued anywhere, measured by a native client (the
+    open-loop Python client's own scheduling varies by more than a few tens of µs)."""
+    out = _wrk(url, body_file, seconds, 1)
+    median = re.search(r"^\s*50%\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE)
+    return float(median.group(1)) * _WRK_UNITS[median.group(2)] if median else float("nan")
 
 
 def _stat(pid: int) -> list[str]:
@@ -213,6 +240,7 @@ def measure_sizes(
         body_file = work / f"body-{label}.json"
         body_file.write_bytes(body)
         fixed = asyncio.run(fixed_rate(url, body, rate, seconds))
+        serial_ms = one_at_a_time(url, body_file, seconds)
         cpu_before = cpu_seconds(pid) if pid is not None else 0.0
         busy_before, total_before = machine_cpu()
         sat, sent = saturation(url, body_file, saturation_seconds)
@@ -222,6 +250,7 @@ def measure_sizes(
         busy_after, total_after = machine_cpu()
         busy = (busy_after - busy_before) / max(total_after - total_before, 1e-9)
         figures[label] = {
+            "serial_p50_ms": serial_ms,
             "p50_ms": fixed.p50_ms,
             "p99_ms": fixed.p99_ms,
             "errors": fixed.errors,
@@ -237,6 +266,7 @@ def with_added_latency(results: dict[str, dict[str, dict[str, float]]]) -> dict[
     base = results["envoy alone"]
     for by_size in results.values():
         for label, figures in by_size.items():
+            figures["added_serial_p50_ms"] = figures["serial_p50_ms"] - base[label]["serial_p50_ms"]
             figures["added_p50_ms"] = figures["p50_ms"] - base[label]["p50_ms"]
             figures["added_p99_ms"] = figures["p99_ms"] - base[label]["p99_ms"]
     return results
@@ -261,6 +291,13 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree.resolve()), "PYTHONSAFEPATH": "1"}
 
 
+class StartedPicker(NamedTuple):
+    process: ManagedProcess
+    grpc_port: int
+    metrics_port: int
+    seconds_to_serving: float
+
+
 def start_picker(
     label: str,
     tree: Path | None,
@@ -270,10 +307,9 @@ def start_picker(
     processes: list[ManagedProcess],
     workers: int = 1,
     config: Path | None = None,
-) -> tuple[ManagedProcess, int, float]:
+) -> StartedPicker:
     """Start a picker (from `tree`'s sources when given, with `config` when given) of `workers`
-    processes in front of the backend; it, its gRPC port and the seconds from process start to
-    SERVING."""
+    processes in front of the backend."""
     grpc_port, health, metrics = free_port(), free_port(), free_port()
     env = None if tree is None else tree_env(tree)
     endpoints = ",".join(f"127.0.0.1:{port}" for port in backend_ports)
@@ -287,7 +323,21 @@ def start_picker(
     processes.append(picker)
     # With workers, the health port answers SERVING only once all of them serve.
     picker.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
-    return picker, grpc_port, time.monotonic() - started
+    return StartedPicker(picker, grpc_port, metrics, time.monotonic() - started)
+
+
+def swap_config(path: Path, text: str, metrics_port: int) -> None:
+    """Write `text` to the config file a picker watches and wait until that config is in force."""
+    staged = path.with_suffix(".new")
+    staged.write_text(text)
+    os.replace(staged, path)  # the watcher never reads half a file
+    wanted = sha256(text.encode()).hexdigest()
+
+    def in_force() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/config", timeout=5) as response:
+            return bool(json.loads(response.read())["sha256"] == wanted)
+
+    wait_until(in_force, 10, f"the config of {path} to be in force")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-chunks", type=int, default=256, help="SSE events per streamed answer; 0: skip")
     parser.add_argument("--stream-rate", type=float, default=20.0, help="req/s of the streamed-response runs")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over all variants; figures are medians")
+    parser.add_argument(
+        "--one-process", action="store_true", help="the --picker-config configs take turns in one picker (hot reload)"
+    )
     args = parser.parse_args(argv)
     try:
         configs = parse_picker_configs(args.picker_config)
@@ -343,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         ).start()
         processes.append(backend)
         backend.wait_ready(lambda: all(port_open("127.0.0.1", port) for port in backend_ports))
-        # name → (Envoy config, the PID of the picker it calls, if any)
-        variants: dict[str, tuple[dict[str, Any], int | None]] = {
+        # name → (Envoy config, the PID of the picker it calls if any, what to do first if anything)
+        variants: dict[str, tuple[dict[str, Any], int | None, Callable[[], None] | None]] = {
             "envoy alone": (
                 baseline_config(
                     "round-robin",
@@ -352,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                     [f"127.0.0.1:{port}" for port in backend_ports],
                     ("127.0.0.1", free_port()),
                 ),
+                None,
                 None,
             ),
         }
@@ -361,7 +415,12 @@ def main(argv: list[str] | None = None) -> int:
             trees[f"picker x{args.workers}"] = (None, args.workers, None)
         if args.baseline_tree is not None:
             trees["baseline"] = (args.baseline_tree, 1, None)
-        trees.update({f"picker:{label}": (None, 1, config) for label, config in configs.items()})
+        swapped = work / "swapped-config.yaml"  # --one-process: the file the configs take turns in
+        if args.one_process and configs:
+            swapped.write_text(next(iter(configs.values())).read_text())
+            trees["picker:swapped"] = (None, 1, swapped)
+        else:
+            trees.update({f"picker:{label}": (None, 1, config) for label, config in configs.items()})
         pickers = {
             label: start_picker(
                 label.replace(" ", "-").replace(":", "-"),
@@ -376,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, (tree, workers, config) in trees.items()
         }
         # Start to SERVING (polled every 20 ms or so), one start each on a shared machine.
-        startup = {label: seconds for label, (_, _, seconds) in pickers.items()}
+        startup = {label: picker.seconds_to_serving for label, picker in pickers.items()}
         if args.reference_epp is not None:
             reference = ReferenceEpp(args.reference_epp, "127.0.0.1", backend_ports, tls, work)
             reference.start()
@@ -387,16 +446,24 @@ def main(argv: list[str] | None = None) -> int:
         streams_per_connection = STREAMS_PER_CONNECTION if args.workers > 1 else None
         # Interleaved by mode, so a change and its baseline meet the machine in the same state.
         for mode, name in (("buffered", "BUFFERED"), ("duplex", "FULL_DUPLEX + response")):
-            for label, (picker, grpc_port, _) in pickers.items():
-                config = picker_config(
-                    mode,
-                    ("127.0.0.1", free_port()),
-                    ("127.0.0.1", grpc_port),
-                    ("127.0.0.1", free_port()),
-                    tls=tls,
-                    streams_per_connection=streams_per_connection,
+            for label, picker in pickers.items():
+                # the picker's own config, or (--one-process) each of the configs in turn
+                turns = (
+                    {f"picker:{c}": path.read_text() for c, path in configs.items()}
+                    if label == "picker:swapped"
+                    else {label: None}
                 )
-                variants[f"{label} {name}"] = (config, picker.pid)
+                for turn, text in turns.items():
+                    config = picker_config(
+                        mode,
+                        ("127.0.0.1", free_port()),
+                        ("127.0.0.1", picker.grpc_port),
+                        ("127.0.0.1", free_port()),
+                        tls=tls,
+                        streams_per_connection=streams_per_connection,
+                    )
+                    swap = None if text is None else functools.partial(swap_config, swapped, text, picker.metrics_port)
+                    variants[f"{turn} {name}"] = (config, picker.process.pid, swap)
         if reference is not None:  # it answers only FULL_DUPLEX_STREAMED
             config = picker_config(
                 "duplex",
@@ -405,12 +472,16 @@ def main(argv: list[str] | None = None) -> int:
                 ("127.0.0.1", free_port()),
                 tls=tls,
             )
-            variants["reference EPP FULL_DUPLEX + response"] = (config, reference.pid)
+            variants["reference EPP FULL_DUPLEX + response"] = (config, reference.pid, None)
         rounds: list[dict[str, dict[str, dict[str, float]]]] = []
         chunk_costs: dict[str, ChunkCost] = {}
         for round_number in range(1, args.repeat + 1):
             results: dict[str, dict[str, dict[str, float]]] = {}
-            for name, (config, pid) in variants.items():
+            # Every other round in reverse, so no variant always runs after the others.
+            order = list(variants.items()) if round_number % 2 else list(reversed(variants.items()))
+            for name, (config, pid, first) in order:
+                if first is not None:
+                    first()
                 envoy = EnvoyProcess(name.replace(" ", "-").replace("+", ""), config, work).start()
                 processes.append(envoy)
                 envoy.wait_ready(envoy.ready)
@@ -418,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = measure_sizes(url, pid, args.rate, args.seconds, args.saturation_seconds, work)
                 for label, r in results[name].items():
                     print(
-                        f"{round_number}/{args.repeat} {name:32} {label:5} p50 {r['p50_ms']:6.2f} ms  "
+                        f"{round_number}/{args.repeat} {name:32} {label:5} one at a time {r['serial_p50_ms']:6.3f} ms  "
+                        f"p50 {r['p50_ms']:6.2f} ms  "
                         f"p99 {r['p99_ms']:6.2f} ms  errors {r['errors']:.0f}  max {r['max_rps']:7.0f} req/s  "
                         f"picker CPU {r['picker_cpu_us']:6.0f} µs/req  machine {r['machine_busy']:4.0%} busy",
                         flush=True,
@@ -437,14 +509,15 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(with_added_latency(results))
         results = median_over(rounds)
         print(
-            "\n| variant | body | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | picker CPU µs/req "
-            "| machine busy at max |"
+            "\n| variant | body | one at a time p50 ms | added | p50 ms | p99 ms | added p50 ms | added p99 ms "
+            "| max req/s | picker CPU µs/req | machine busy at max |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, by_size in results.items():
             for label, r in by_size.items():
                 print(
-                    f"| {name} | {label} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                    f"| {name} | {label} | {r['serial_p50_ms']:.3f} | {r['added_serial_p50_ms']:.3f} | "
+                    f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                     f"{r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | "
                     f"{r['max_rps']:.0f} | {r['picker_cpu_us']:.0f} | {r['machine_busy']:.0%} |"
                 )

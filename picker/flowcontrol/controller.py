@@ -88,8 +88,8 @@ class FlowController:
         self._cycle_scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         self._series: dict[tuple[str, ...], list[int]] = {}  # gauge labels → [requests, bytes]
-        self._saturation_gauge = metrics.FLOW_POOL_SATURATION.labels(pool_name)
-        self._histograms: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        metrics.FLOW_POOL_SATURATION.labels(pool_name).set_function(self._reported_saturation)
+        self._histograms: dict[tuple[Any, ...], Any] = {}
 
     # -- the request side --------------------------------------------------------------------
 
@@ -232,9 +232,12 @@ class FlowController:
         """Whether the pool's saturation is below the usage limit (always, once the gate is off)."""
         if settings is None:
             return True
-        saturation = self._saturation()
-        self._saturation_gauge.set(saturation)
-        return saturation < settings.usage_limit
+        return self._saturation() < settings.usage_limit
+
+    def _reported_saturation(self) -> float:
+        """The pool's saturation as the gate sees it, read when the metrics are scraped (0.0
+        while the gate is off)."""
+        return self._saturation() if self._settings_source() is not None else 0.0
 
     def _cycle(self) -> None:
         """Dispatch the next request that may go if the pool has room (`_next_to_go`)."""
@@ -353,30 +356,33 @@ class FlowController:
             metrics.FLOW_QUEUE_SIZE.labels(*labels).set(load[0])
             metrics.FLOW_QUEUE_BYTES.labels(*labels).set(load[1])
 
-    def _histogram(self, histogram: Any, labels: tuple[str, ...]) -> Any:
-        """`histogram`'s child for `labels`, looked up in prometheus_client once per label set
-        (histograms keep every label set anyway; this keeps the lookup off each request)."""
-        key = (histogram, labels)
-        child = self._histograms.get(key)
-        if child is None:
-            child = self._histograms[key] = histogram.labels(*labels)
-        return child
+    # The histograms' children are looked up in prometheus_client once per label set, keyed by
+    # the values they are made of (histograms keep every label set anyway; this keeps the
+    # lookup and the label strings off each request).
 
     def _observe_enqueue_time(self, item: QueuedRequest, outcome: Outcome, started: float) -> None:
-        labels = (item.fairness_id, str(item.priority), outcome.value)
-        self._histogram(metrics.FLOW_ENQUEUE_DURATION, labels).observe(perf_counter() - started)
+        key = (metrics.FLOW_ENQUEUE_DURATION, item.fairness_id, item.priority, outcome)
+        child = self._histograms.get(key)
+        if child is None:
+            labels = (item.fairness_id, str(item.priority), outcome.value)
+            child = self._histograms[key] = metrics.FLOW_ENQUEUE_DURATION.labels(*labels)
+        child.observe(perf_counter() - started)
 
     def _observe_queue_time(self, item: QueuedRequest) -> None:
         request = item.request
-        labels = (
+        key = (
+            metrics.FLOW_QUEUE_DURATION,
             item.fairness_id,
-            str(item.priority),
-            item.state.value,
-            self._pool,
+            item.priority,
+            item.state,
             request.model,
             request.target_model,
         )
-        self._histogram(metrics.FLOW_QUEUE_DURATION, labels).observe(time.monotonic() - item.enqueued_at)
+        child = self._histograms.get(key)
+        if child is None:
+            labels = (item.fairness_id, str(item.priority), item.state.value, self._pool, *key[4:])
+            child = self._histograms[key] = metrics.FLOW_QUEUE_DURATION.labels(*labels)
+        child.observe(time.monotonic() - item.enqueued_at)
 
     @property
     def parked(self) -> int:
@@ -413,10 +419,13 @@ class Dispatch:
         self._affinity = affinity
         self._item: QueuedRequest | None = None
 
-    async def __aenter__(self) -> None:
+    async def __aenter__(self) -> bool:
+        """Whether the request waited (False: dispatched at once, the pool as it was on arrival)."""
         controller = self._controller
         item = self._item = controller._enqueue(self._settings, self._request, self._priority, self._affinity)
+        waited = not item.future.done()
         await controller._wait(item)
+        return waited
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None

@@ -445,12 +445,22 @@ class Director:
             # where its prefix is cached; its scheduling reuses that work.
             cycle_state = CycleState()
             candidates = self._candidates_or_none(subset)
-            if candidates:
+            if candidates and runtime.async_producers:
                 await self._prepare_async(runtime, request, candidates, cycle_state)
             affinity = self._affinity_lookup(runtime, request, subset, cycle_state)
-            async with self.flow_control.dispatched(flow_control, request, runtime.priority(request), affinity):
+            priority = runtime.priority(request)
+            async with self.flow_control.dispatched(flow_control, request, priority, affinity) as waited:
+                # dispatched at once, nothing has changed since the candidates were read
                 return await self._schedule(
-                    runtime, request, body, subset, started, log_request, trace, cycle_state if candidates else None
+                    runtime,
+                    request,
+                    body,
+                    subset,
+                    started,
+                    log_request,
+                    trace,
+                    cycle_state if candidates else None,
+                    candidates if candidates and not waited else None,
                 )
         # -- end of flow control
         return await self._schedule(runtime, request, body, subset, started, log_request, trace)
@@ -485,10 +495,13 @@ class Director:
         log_request: bool,
         trace: tracing.RequestTrace | None,
         prepared: CycleState | None = None,
+        candidates: list[EndpointState] | None = None,
     ) -> RoutedRequest:
         """Admit, prepare, schedule and count a parsed request (`prepared`: its CycleState after
-        the async preparation, done before it waited in flow control)."""
-        candidates = self.candidates(subset)
+        the async preparation, done before it waited in flow control; `candidates`: the
+        endpoints as they are now, when already read)."""
+        if candidates is None:
+            candidates = self.candidates(subset)
         self._admit(runtime, request, candidates)
         timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
         cycle_state = prepared

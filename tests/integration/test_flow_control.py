@@ -72,6 +72,10 @@ class FlowStack:
     def queued(self) -> float:
         return sum(v for _, v in self.samples("inference_extension_flow_control_queue_size"))
 
+    def saturation(self) -> float:
+        (sample,) = self.samples("inference_extension_flow_control_pool_saturation")
+        return sample[1]
+
     def routed(self) -> float:
         return sum(v for _, v in self.samples("picker_requests_routed_total"))
 
@@ -169,9 +173,11 @@ async def test_a_high_priority_request_overtakes_the_queued_low_priority_ones(
     await queued(flow_stack, 200)
     high = asyncio.create_task(one("high", "chat"))
     await queued(flow_stack, 201)
+    assert flow_stack.saturation() == 1.0  # the one pod's one slot is taken
     flow_stack.hang(False)
     statuses = await asyncio.gather(blocker, high, *lows)
     assert statuses[0][0] == 200 and set(statuses[1:]) == {200}
+    await eventually(lambda: flow_stack.saturation() == 0.0, 10)  # read at scrape time: nothing in flight
     assert order[0] == "high"  # dispatched first, ahead of 200 requests queued before it
     assert order[1:] == sorted(order[1:], key=lambda n: int(n[3:]))  # the lows in arrival order (FCFS)
 

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from time import perf_counter, process_time
 
+import pytest
+
 from picker.bench.overhead import cpu_seconds, machine_cpu, median_over, tree_env, with_added_latency
 
 
@@ -55,9 +57,25 @@ def test_rounds_report_each_figures_median_and_latency_added_within_its_own_roun
     def round_of(base: float, gate_off: float, gate_on: float, cpu: float) -> dict[str, dict[str, dict[str, float]]]:
         return with_added_latency(
             {
-                "envoy alone": {"2KB": {"p50_ms": base, "p99_ms": base, "picker_cpu_us": 0.0}},
-                "off": {"2KB": {"p50_ms": gate_off, "p99_ms": gate_off * 2, "picker_cpu_us": cpu}},
-                "on": {"2KB": {"p50_ms": gate_on, "p99_ms": gate_on * 2, "picker_cpu_us": cpu + 10}},
+                "envoy alone": {
+                    "2KB": {"serial_p50_ms": base / 4, "p50_ms": base, "p99_ms": base, "picker_cpu_us": 0.0}
+                },
+                "off": {
+                    "2KB": {
+                        "serial_p50_ms": gate_off / 4,
+                        "p50_ms": gate_off,
+                        "p99_ms": gate_off * 2,
+                        "picker_cpu_us": cpu,
+                    }
+                },
+                "on": {
+                    "2KB": {
+                        "serial_p50_ms": gate_on / 4,
+                        "p50_ms": gate_on,
+                        "p99_ms": gate_on * 2,
+                        "picker_cpu_us": cpu + 10,
+                    }
+                },
             }
         )
 
@@ -66,4 +84,5 @@ def test_rounds_report_each_figures_median_and_latency_added_within_its_own_roun
     medians = median_over(rounds)
     assert medians["on"]["2KB"]["added_p50_ms"] == 1.1 and medians["off"]["2KB"]["added_p50_ms"] == 1.0
     assert medians["on"]["2KB"]["p50_ms"] == 2.1 and medians["on"]["2KB"]["picker_cpu_us"] == 210
+    assert medians["on"]["2KB"]["added_serial_p50_ms"] == pytest.approx(0.275)
     assert medians["envoy alone"]["2KB"]["added_p50_ms"] == 0.0
