@@ -445,12 +445,16 @@ class Director:
             # where its prefix is cached; its scheduling reuses that work.
             cycle_state = CycleState()
             candidates = self._candidates_or_none(subset)
+            prepared_async = False
             if candidates and runtime.async_producers:
                 await self._prepare_async(runtime, request, candidates, cycle_state)
+                prepared_async = True
             affinity = self._affinity_lookup(runtime, request, subset, cycle_state)
             priority = runtime.priority(request)
             async with self.flow_control.dispatched(flow_control, request, priority, affinity) as waited:
-                # dispatched at once, nothing has changed since the candidates were read
+                # Nothing awaited since the candidates were read (no preparation off the loop, no
+                # wait in the queue): they are the pool as it is now, so scheduling reuses them.
+                current = candidates if candidates and not (waited or prepared_async) else None
                 return await self._schedule(
                     runtime,
                     request,
@@ -460,7 +464,7 @@ class Director:
                     log_request,
                     trace,
                     cycle_state if candidates else None,
-                    candidates if candidates and not waited else None,
+                    current,
                 )
         # -- end of flow control
         return await self._schedule(runtime, request, body, subset, started, log_request, trace)
