@@ -133,9 +133,10 @@ def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_
         failed = [(begin, status) for begin, _, status in results if status != 200]
         # FailClose: the requests whose streams the dead worker held get Envoy's 500 (or a cut
         # response): those in flight at the kill, and those Envoy put on the dead connection in
-        # the moment before the kernel's reset reached it; none later.
+        # the moment before the kernel's reset reached it (a client whose request failed at once
+        # may send another into that moment: their number is not bounded by the clients); none
+        # later.
         assert all(begin < killed_at + KILL_NOTICE_SECONDS for begin, _ in failed), (killed_at, failed)
-        assert len(failed) <= LOAD_THREADS
         assert serving(picker.health_port)  # the other worker served meanwhile: the pod stayed ready
         pids = worker_pids(picker.process.pid)
         assert len(pids) == 2 and doomed not in pids
