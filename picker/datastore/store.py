@@ -8,19 +8,14 @@ Everything runs on one event loop, so plain dicts suffice; the request path only
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from picker.datastore.rate import EventRate
 
 EndpointListener = Callable[[dict[str, Endpoint], dict[str, Endpoint]], None]
 
 _NO_METRICS = EndpointMetrics()
-# Completion rates count this process's releases over the last window (at most this many each);
-# fewer than COMPLETION_MIN_COUNT in it tell no rate.
-COMPLETION_WINDOW_SECONDS = 10.0
-COMPLETION_MIN_COUNT = 8
-_COMPLETIONS_KEPT = 256
 
 
 class Datastore:
@@ -31,7 +26,7 @@ class Datastore:
         self._metrics: dict[str, EndpointMetrics] = {}
         self._in_flight_requests: dict[str, int] = {}
         self._in_flight_tokens: dict[str, int] = {}
-        self._completions: dict[str, deque[float]] = {}  # address → monotonic release times
+        self._completions: dict[str, EventRate] = {}  # address → this process's releases
         # The other picker processes' in-flight load (--state-store), summed; snapshots add it.
         self._remote_requests: dict[str, int] = {}
         self._remote_tokens: dict[str, int] = {}
@@ -131,24 +126,19 @@ class Datastore:
         self._snapshot = None
         completions = self._completions.get(address)
         if completions is None:
-            completions = self._completions[address] = deque(maxlen=_COMPLETIONS_KEPT)
-        completions.append(time.monotonic())
+            completions = self._completions[address] = EventRate()
+        completions.record(time.monotonic())
         if self.in_flight_listener is not None:
             self.in_flight_listener()
         self._load_changed()
 
     def completion_rate(self, address: str, now: float | None = None) -> float:
-        """Requests this process saw end at `address` per second over the last
-        `COMPLETION_WINDOW_SECONDS` (0.0, unknown, when fewer than `COMPLETION_MIN_COUNT` did).
-        Releases that left the window are dropped, so `now` must not go back between calls."""
+        """Requests this process saw end at `address` per second (`EventRate`: 0.0, unknown,
+        with too few lately); `now` must not go back between calls."""
         completions = self._completions.get(address)
-        if not completions:
+        if completions is None:
             return 0.0
-        since = (time.monotonic() if now is None else now) - COMPLETION_WINDOW_SECONDS
-        while completions and completions[0] <= since:
-            completions.popleft()  # out of the window for good: time only moves on
-        recent = len(completions)
-        return recent / COMPLETION_WINDOW_SECONDS if recent >= COMPLETION_MIN_COUNT else 0.0
+        return completions.per_second(time.monotonic() if now is None else now)
 
     def in_flight(self, address: str) -> int:
         """Requests this process has in flight at `address` (the others' not included)."""

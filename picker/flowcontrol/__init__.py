@@ -2,5 +2,5 @@
 priority, fairness between flows and ordering within a flow. The policy plugins (`policies`),
 the resolved settings (`settings`), the queues (`queues`) and the controller (`controller`).
 
-May import: framework, request (errors as HTTP answers), telemetry.
+May import: framework, datastore (windowed rates), request (errors as HTTP answers), telemetry.
 """

@@ -14,17 +14,25 @@ runs once the dispatched request is counted in flight (or fails), so the detecto
 Prefix affinity: a cycle dispatches the first request that may go now, by strict priority
 between bands, the band's fairness policy among the flows that have such a request and the
 flow's ordering policy (`picker.flowcontrol.queues`). A request whose prefix holders are all
-full may not go until one of them has room or its wait ends (`max_affinity_wait`): it is
-*parked* in its flow, keeping its place in the flow's order, and requests that may go (a holder
-with room, nothing cached) go meanwhile, of its flow or another; the pool idles only when every
+full may not go until one of them has room or going elsewhere would be quicker: it is *parked*
+in its flow, keeping its place in the flow's order, and requests that may go (a holder with
+room, nothing cached) go meanwhile, of its flow or another; the pool idles only when every
 queued request waits for a full holder. A parked request that may go again competes for its
 flow's turn like any other, so waiting for a holder neither jumps a flow ahead of the others
-nor costs it its turns. The wait is not bounded by the time recomputing the
-prefix elsewhere takes: a request sent elsewhere also evicts that pod's own prefixes, and at 120%
-load on shared prefixes that bound (about 0.3 s) kept a hit ratio of 58% against 78% with 3 s
-(BENCHMARKS.md, flow control). It is bounded by the holders' lines: a request that every holder
-would start only after the wait (more requests parked for it than it completes in that time)
-does not wait at all; it would wait in vain and then miss anyway, while a pod with room idles.
+nor costs it its turns.
+
+Where a request's prefix is cached is asked on its arrival (and, if nothing was then, once more
+on its first turn), so each endpoint has a *line*: the queued requests whose prefix it holds. A
+request whose holders are all full goes elsewhere only when its place in their lines (timed by
+their completion rates) is further than `max_affinity_wait` and a pod with room has no line and
+spare capacity (fewer requests wanted it over the last window than it completed). Sent to a pod
+whose own requests keep it busy, it would only take their turn, and add work: it recomputes its
+prefix and evicts that pod's. A request with nothing cached goes to a pod with the shortest line,
+so new prefixes spread by the backlog here, which the pods' metrics do not show. Measured at 120%
+load on shared prefixes (BENCHMARKS.md, flow control): bounding the wait by the recompute time
+(about 0.3 s) kept a hit ratio of 58% against 78%; sending a request on when its own line was too
+long, whatever the other pods' lines, cost 1-2 points against flow control off; now none. A
+holder that completed too little lately to be timed is waited for `max_affinity_wait` at most.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import perf_counter
 from types import TracebackType
 from typing import Any
 
+from picker.datastore.rate import EventRate
 from picker.flowcontrol.queues import Outcome, PriorityBand, QueuedRequest
 from picker.flowcontrol.settings import FlowControlSettings
 from picker.framework.plugin import Affinity
@@ -61,7 +70,10 @@ class FlowController:
     saturation now (dispatch only while it is below the usage limit); `room_at` whether one
     endpoint (by address) is below it (without it, requests never wait for their prefix holders);
     `start_rate` how many requests one endpoint starts a second while it is full (its completion
-    rate; 0.0 when unknown), which bounds the wait by the holder's line.
+    rate; 0.0 when unknown) and `pool_room` whether each of the pool's endpoints is below the
+    limit: with them a request waits for its full holders unless its turn there is far and a
+    pod with room has no line, and one with nothing cached waits for a pod with the shortest line
+    (`Backlog`).
     """
 
     def __init__(
@@ -71,11 +83,16 @@ class FlowController:
         pool_name: str = "",
         room_at: Callable[[str], bool] | None = None,
         start_rate: Callable[[str], float] | None = None,
+        pool_room: Callable[[], Mapping[str, bool]] | None = None,
     ) -> None:
         self._settings_source = settings
         self._saturation = saturation
         self._room_at = room_at
         self._start_rate = start_rate
+        self._pool_room = pool_room
+        self._demand: dict[str, EventRate] = {}  # address → requests whose prefix it holds
+        # address → the enqueue times (sorted) of the queued requests whose prefix it holds
+        self._lines: dict[str, list[float]] = {}
         self._pool = pool_name
         self._settings: FlowControlSettings | None = None
         self._bands: dict[int, PriorityBand] = {}
@@ -145,7 +162,10 @@ class FlowController:
             self._observe_enqueue_time(item, Outcome.REJECTED_CAPACITY, started)
             self._observe_queue_time(item)
             raise RequestError("ResourceExhausted", "flow control queue at capacity")
-        if not self.count and self._handoff is None and self._has_room(settings) and self._may_go(item, now, {}):
+        free_now = not self.count and self._handoff is None and self._has_room(settings)
+        if self._room_at is not None:
+            self._ask_holders(item, now, last=free_now)
+        if free_now and self._may_go(item, Turn(now)):
             # Nothing queued and room in the pool: dispatched at once, without touching the queues.
             item.state = Outcome.DISPATCHED
             self._handoff = item
@@ -157,6 +177,8 @@ class FlowController:
             band = self._bands[priority] = PriorityBand(priority, band_settings)
             bisect.insort(self._priorities, priority)
         band.add(item, next(self._seq))
+        if item.holders:
+            self._join_lines(item)
         self.count += 1
         self.bytes += item.size
         self._gauge(item, 1)
@@ -187,6 +209,8 @@ class FlowController:
     def _uncount(self, item: QueuedRequest) -> None:
         if item.timer is not None:
             item.timer.cancel()
+        if item.holders:
+            self._leave_lines(item)
         self.count -= 1
         self.bytes -= item.size
         self._gauge(item, -1)
@@ -264,10 +288,10 @@ class FlowController:
         policy's flow among those that have one, that flow's first by its order. Requests met on
         the way whose prefix holders are full are parked (each is examined once, then kept in its
         flow's parked list: a cycle costs the parked requests plus the ones it parks)."""
-        room: dict[str, bool] = {}  # per holder, for this cycle
+        turn = Turn(now)
 
         def may_go(item: QueuedRequest) -> bool:
-            return self._may_go(item, now, room)
+            return self._may_go(item, turn)
 
         for priority in reversed(self._priorities):
             band = self._bands[priority]
@@ -277,51 +301,90 @@ class FlowController:
                 return item
         return None
 
-    def _may_go(self, item: QueuedRequest, now: float, room: dict[str, bool]) -> bool:
-        """Whether `item` may be dispatched now: nothing cached anywhere, a holder with room, or
-        its wait for a holder over (where the prefix is cached is asked once, on its first turn;
-        how long it may wait, the first time every holder is full)."""
+    def _may_go(self, item: QueuedRequest, turn: Turn) -> bool:
+        """Whether `item` may be dispatched now: with nothing cached anywhere, when a pod with the
+        shortest line has room; else when a holder has room, or its turn at its holders is further
+        than the affinity wait while a pod with room has no line and spare capacity."""
         settings = self._settings
         if settings is None or self._room_at is None:
             return True
-        if item.holders is None:
-            affinity = item.affinity() if item.affinity is not None else None
-            item.affinity = None  # the lookup holds the request's scheduling state: drop it
-            if affinity is None:
-                item.holders = frozenset()
-                return True
-            item.holders = affinity.holders
-        if not item.holders:
-            return True
-        for holder in item.holders:
+        holders = item.holders
+        if holders is None:  # nothing was cached on arrival: ask again (queued since)
+            holders = self._ask_holders(item, turn.now, last=True)
+            if holders:
+                self._join_lines(item)
+        if not holders:
+            backlog = self._backlog(turn)
+            return backlog is None or backlog.shortest_has_room()
+        room = turn.room
+        for holder in holders:
             free = room.get(holder)
             if free is None:
                 free = room[holder] = self._room_at(holder)
             if free:
                 return True
+        longest = settings.max_affinity_wait
         if item.wait_until is None:
-            item.wait_until = now + self._affinity_wait(item.holders, settings.max_affinity_wait, now)
-        return now >= item.wait_until
+            item.wait_until = turn.now + longest
+        start_rate = self._start_rate
+        backlog = self._backlog(turn)
+        if start_rate is None or backlog is None or longest <= 0.0:
+            return turn.now >= item.wait_until
+        rates = [start_rate(h) for h in holders]
+        if not all(rates):
+            return turn.now >= item.wait_until  # the holder's line cannot be weighed: wait at most `longest`
+        if not backlog.idle_elsewhere(holders, lambda address: self._has_spare_capacity(address, turn.now)):
+            return False
+        return min(backlog.place(h, item.enqueued_at) / rate for h, rate in zip(holders, rates, strict=True)) > longest
 
-    def _affinity_wait(self, holders: frozenset[str], longest: float, now: float) -> float:
-        """How long a request may wait for one of `holders`: `longest`, unless each of them has
-        more requests parked for it than it starts in that time (then 0: it would wait in vain).
-        A holder whose start rate is not known yet gets the benefit of the doubt."""
-        if self._start_rate is None or not holders or longest <= 0.0:
-            return longest
-        lines = dict.fromkeys(holders, 0)
-        for band in self._bands.values():
-            for item in band.parked_requests():
-                if item.wait_until is None or item.wait_until <= now:
-                    continue  # its wait is over: it goes wherever there is room
-                for holder in item.holders or ():
-                    if holder in lines:
-                        lines[holder] += 1
-        for holder, line in lines.items():
-            rate = self._start_rate(holder)
-            if rate <= 0.0 or (line + 1) <= rate * longest:
-                return longest
-        return 0.0
+    def _ask_holders(self, item: QueuedRequest, now: float, last: bool) -> frozenset[str] | None:
+        """Ask where `item`'s prefix is cached (its `holders`): on arrival, so that the lines
+        count every queued request, and, when nothing was cached then, once more on its first
+        turn (`last`): a request queued behind the first of its prefix finds it placed by then."""
+        affinity = item.affinity() if item.affinity is not None else None
+        if affinity is not None:
+            item.holders = affinity.holders
+            for holder in item.holders:
+                self._wanted(holder).record(now)
+        elif last:
+            item.holders = frozenset()
+        if item.holders is not None:
+            item.affinity = None  # the lookup holds the request's scheduling state: drop it
+        return item.holders
+
+    def _join_lines(self, item: QueuedRequest) -> None:
+        for holder in item.holders or ():
+            bisect.insort(self._lines.setdefault(holder, []), item.enqueued_at)
+
+    def _leave_lines(self, item: QueuedRequest) -> None:
+        for holder in item.holders or ():
+            line = self._lines[holder]
+            del line[bisect.bisect_left(line, item.enqueued_at)]
+            if not line:
+                del self._lines[holder]
+
+    def _backlog(self, turn: Turn) -> Backlog | None:
+        """The lines as this cycle sees them (None without `pool_room` or with no line at all)."""
+        if turn.backlog is None and self._pool_room is not None and self._lines:
+            room = self._pool_room()
+            for address in self._demand.keys() - room.keys():
+                del self._demand[address]  # it left the pool
+            turn.backlog = Backlog(self._lines, room)
+        return turn.backlog
+
+    def _wanted(self, address: str) -> EventRate:
+        demand = self._demand.get(address)
+        if demand is None:
+            demand = self._demand[address] = EventRate()
+        return demand
+
+    def _has_spare_capacity(self, address: str, now: float) -> bool:
+        """Whether fewer requests want `address` (hold their prefix there) than it completes, or
+        either is unknown: a pod its own requests keep full gains nothing from another's but a
+        recompute, even when its line is empty for a moment."""
+        wanted = self._wanted(address).per_second(now)
+        completed = self._start_rate(address) if self._start_rate is not None else 0.0
+        return not wanted or not completed or wanted < completed
 
     def _parked_wait_ends(self) -> float:
         """When the first parked request's wait for its holders ends."""
@@ -396,6 +459,49 @@ class FlowController:
             "bytes": self.bytes,
             "bands": {p: {"requests": b.count, "bytes": b.bytes} for p, b in self._bands.items()},
         }
+
+
+class Turn:
+    """What one dispatch cycle learns at most once: the room at each holder it asks about and,
+    when a request's holders are all full, the lines (`Backlog`)."""
+
+    __slots__ = ("backlog", "now", "room")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.room: dict[str, bool] = {}
+        self.backlog: Backlog | None = None
+
+
+class Backlog:
+    """The lines (per endpoint, the enqueue times of the queued requests whose prefix it holds,
+    sorted; a request with several holders is in each of theirs) and which endpoints have room,
+    as one dispatch cycle sees them."""
+
+    __slots__ = ("_lines", "_room", "_shortest")
+
+    def __init__(self, lines: Mapping[str, list[float]], room: Mapping[str, bool]) -> None:
+        self._lines = lines
+        self._room = room
+        self._shortest = min((len(lines.get(address, ())) for address in room), default=0)
+
+    def place(self, holder: str, enqueued_at: float) -> int:
+        """The place in `holder`'s line of a request enqueued at `enqueued_at` (1: next)."""
+        return bisect.bisect_left(self._lines.get(holder, ()), enqueued_at) + 1
+
+    def idle_elsewhere(self, holders: frozenset[str], spare: Callable[[str], bool]) -> bool:
+        """Whether an endpoint other than `holders` has room, no request waiting for it and
+        `spare` capacity."""
+        return any(
+            free and address not in holders and address not in self._lines and spare(address)
+            for address, free in self._room.items()
+        )
+
+    def shortest_has_room(self) -> bool:
+        """Whether an endpoint with room has no more requests waiting for it than any other:
+        a request with nothing cached goes there, so new prefixes spread by the whole backlog
+        (the scheduler sees only what is in flight at the pods)."""
+        return any(free and len(self._lines.get(address, ())) <= self._shortest for address, free in self._room.items())
 
 
 class Dispatch:

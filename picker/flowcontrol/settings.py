@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 from picker.flowcontrol.policies import FairnessPolicy, OrderingPolicy
 
-# How long at most a request waits for its full prefix holder by default (seconds). With the
-# holder's line bounding it, 8 s kept the hit ratio of flow control off at 120% load on shared
-# prefixes, and the multi-tenant goodput at 97% of off (3 s: 1.4 points of hit ratio lost).
+# How far a request's turn at its full prefix holders may be before it goes to an idle pod
+# instead, by default (seconds; the most it waits when the holders' rates are unknown). 8 s kept
+# the hit ratio of flow control off at 120% load on shared prefixes and the multi-tenant goodput
+# at 97% of off (3 s: 1.4 points of hit ratio lost).
 DEFAULT_MAX_AFFINITY_WAIT = 8.0
 
 
@@ -29,8 +30,9 @@ class BandSettings:
 class FlowControlSettings:
     """Global limits (0: none), the default TTL (None: wait until dispatched or cancelled), the
     saturation ceiling, explicit bands by priority and the template for any other priority;
-    `max_affinity_wait` (the picker's `maxAffinityWait`) bounds how long a request whose prefix
-    holders are full waits for one of them while other requests go ahead (0: never waits)."""
+    `max_affinity_wait` (the picker's `maxAffinityWait`): how far the turn of a request whose
+    prefix holders are full may be before it goes to an idle pod instead (0: never waits;
+    `picker.flowcontrol.controller`)."""
 
     max_bytes: int
     max_requests: int

@@ -303,8 +303,9 @@ class Affinity:
 
 class AffinitySource(ABC):
     """A data producer that can say, before scheduling, where a request's prefix is cached: flow
-    control's late binding lets a request whose holders are all full wait for one of them (for at
-    most `maxAffinityWait`) instead of taking whichever pod frees a slot first."""
+    control's late binding lets a request whose holders are all full wait for one of them (its
+    turn at most `maxAffinityWait` away, or while no pod idles) instead of taking whichever pod
+    frees a slot first."""
 
     @abstractmethod
     def affinity(

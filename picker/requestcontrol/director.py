@@ -350,6 +350,7 @@ class Director:
             pool_name,
             self._endpoint_has_room,
             datastore.completion_rate,
+            self._pool_room,
         )
         datastore.add_load_listener(self.flow_control.wake)  # completions, metrics, endpoints
 
@@ -360,10 +361,17 @@ class Director:
     def _endpoint_has_room(self, address: str) -> bool:
         """Whether one endpoint is below the flow-control usage limit by the config's detector
         (an endpoint no longer in the pool: yes, nothing is gained by waiting for it)."""
-        runtime = self.runtimes.current
         states = self.datastore.snapshot((address,))
+        return not states or self._below_limit(states)
+
+    def _pool_room(self) -> dict[str, bool]:
+        """Whether each of the pool's endpoints is below the flow-control usage limit."""
+        return {state.address: self._below_limit([state]) for state in self.datastore.snapshot()}
+
+    def _below_limit(self, states: list[EndpointState]) -> bool:
+        runtime = self.runtimes.current
         limit = runtime.flow_control.usage_limit if runtime.flow_control is not None else 1.0
-        return not states or runtime.saturation_detector.saturation(states) < limit
+        return runtime.saturation_detector.saturation(states) < limit
 
     def _forget_endpoints(self, old: Mapping[str, Endpoint], new: Mapping[str, Endpoint]) -> None:
         """Drop the metric series of endpoints that left, so churn does not grow them forever."""

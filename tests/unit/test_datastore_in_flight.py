@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from picker.datastore.endpoint import EndpointMetrics
-from picker.datastore.store import COMPLETION_MIN_COUNT, COMPLETION_WINDOW_SECONDS, Datastore
+from picker.datastore.rate import RATE_MIN_COUNT, RATE_WINDOW_SECONDS
+from picker.datastore.store import Datastore
 from picker.discovery.static import parse_endpoint_flag
 
 A, B = "10.0.0.5:8000", "10.0.0.6:8000"
@@ -58,14 +59,14 @@ def test_flow_control_hears_when_other_processes_free_capacity() -> None:
 def test_the_completion_rate_counts_releases_over_the_last_window() -> None:
     store = datastore()
     assert store.completion_rate(A) == 0.0  # none seen: unknown
-    for _ in range(COMPLETION_MIN_COUNT):
+    for _ in range(RATE_MIN_COUNT):
         assert store.completion_rate(A) == 0.0  # too few to tell a rate
         store.acquire(A, 10)
         store.release(A, 10)
     now = time.monotonic()
-    assert store.completion_rate(A, now) == COMPLETION_MIN_COUNT / COMPLETION_WINDOW_SECONDS
+    assert store.completion_rate(A, now) == RATE_MIN_COUNT / RATE_WINDOW_SECONDS
     assert store.completion_rate(B, now) == 0.0
-    assert store.completion_rate(A, now + COMPLETION_WINDOW_SECONDS + 1) == 0.0  # they aged out
+    assert store.completion_rate(A, now + RATE_WINDOW_SECONDS + 1) == 0.0  # they aged out
     store.set_endpoints(parse_endpoint_flag(B))
     assert store.completion_rate(A, now) == 0.0  # forgotten with the endpoint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 
@@ -47,9 +47,9 @@ def request(fairness_id: str = "f", headers: Mapping[str, str] | None = None) ->
 class Pool:
     """The pool's saturation and which endpoints have room, set by the test."""
 
-    def __init__(self) -> None:
-        self.saturation = 2.0
-        self.free: dict[str, bool] = {"a": False, "b": True}
+    def __init__(self, saturation: float = 2.0, free: dict[str, bool] | None = None) -> None:
+        self.saturation = saturation
+        self.free = free if free is not None else {"a": False, "b": True}
 
     def room_at(self, address: str) -> bool:
         return self.free.get(address, True)
@@ -94,6 +94,30 @@ async def until(condition: object, seconds: float = 5.0) -> None:
             await asyncio.sleep(0.001)
 
 
+def weighing_lines(
+    pool: Pool,
+    config: FlowControlSettings,
+    rates: Mapping[str, float] | None = None,
+    pool_room: Callable[[], dict[str, bool]] | None = None,
+) -> FlowController:
+    """A controller that weighs the lines: the holders' completion rates (1/s unless `rates`
+    says otherwise) and the pool's room."""
+    return FlowController(
+        lambda: config,
+        lambda: pool.saturation,
+        room_at=pool.room_at,
+        start_rate=lambda h: (rates or {}).get(h, 1.0),
+        pool_room=pool_room or (lambda: dict(pool.free)),
+    )
+
+
+async def free_and_finish(pool: Pool, controller: FlowController, address: str, *tasks: asyncio.Task[None]) -> None:
+    """`address` gets room: `tasks` are dispatched."""
+    pool.free[address] = True
+    controller.wake()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+
+
 async def test_a_request_waits_for_its_full_holder_while_later_ones_go_and_goes_first_when_it_frees() -> None:
     pool = Pool()
     config = settings()
@@ -109,7 +133,9 @@ async def test_a_request_waits_for_its_full_holder_while_later_ones_go_and_goes_
     pool.saturation = 0.5  # room in the pool, none at a
     controller.wake()
     await until(lambda: client.order == ["on-b", "uncached"] and controller.parked == 2)
-    assert controller.count == 2 and client.asked == ["on-a-1", "on-b", "uncached", "on-a-2"]
+    # Each asked on arrival; the one with nothing cached once more on its turn (its prefix may
+    # have been placed while it waited).
+    assert controller.count == 2 and client.asked == ["on-a-1", "on-b", "uncached", "on-a-2", "uncached"]
     pool.free["a"] = True  # a frees a slot: its requests go in their order, before anything newer
     late = client.send("late-uncached", None)
     controller.wake()
@@ -129,32 +155,103 @@ async def test_the_wait_for_a_full_holder_ends_at_max_affinity_wait() -> None:
     assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
 
 
-async def test_a_request_that_its_holder_would_start_only_after_the_wait_does_not_wait() -> None:
-    # a starts 0.5 requests a second: within a 3 s wait it starts one, so the first request
-    # parked for it waits and the second (whose turn would come after the wait) goes at once.
-    pool = Pool()
+async def test_a_request_goes_elsewhere_only_when_its_turn_is_far_and_a_pod_with_room_has_no_line() -> None:
+    # a and b each start one request a second; maxAffinityWait 3 s. Four requests wait for a and
+    # four for b, both full. b frees: its own line goes first (a's fourth, 4 s from its turn at
+    # a, waits while b has a line), then a's fourth goes to b; a's first three wait for a.
+    pool = Pool(0.5, {"a": False, "b": False})
     config = settings(max_affinity_wait=3.0)
-    rates = {"a": 0.5}
-    controller = FlowController(
-        lambda: config, lambda: pool.saturation, room_at=pool.room_at, start_rate=lambda h: rates.get(h, 0.0)
-    )
+    rates = {"a": 1.0, "b": 1.0}
+    controller = weighing_lines(pool, config, rates)
     client = Client(controller, config)
-    first = client.send("on-a-1", held_at("a"))
-    await until(lambda: controller.count == 1)
-    second = client.send("on-a-2", held_at("a"))
-    await until(lambda: controller.count == 2)
-    pool.saturation = 0.5  # room in the pool (at b), none at a
+    on_a = [client.send(f"a{i}", held_at("a")) for i in range(1, 5)]
+    await until(lambda: controller.parked == 4)
+    on_b = [client.send(f"b{i}", held_at("b")) for i in range(1, 5)]
+    await until(lambda: controller.parked == 8)
+    assert client.order == []  # no pod has room: nothing goes, however long the lines
+    pool.free["b"] = True
     controller.wake()
-    await asyncio.wait_for(second, 1.0)
-    assert client.order == ["on-a-2"] and controller.parked == 1
-    rates["b"] = 0.0
-    unknown = client.send("on-b-unknown-rate", held_at("a", "b"))  # b's rate unknown: it may wait for it
-    pool.free["b"] = False
-    await until(lambda: controller.parked == 2)
-    pool.free["a"] = pool.free["b"] = True
+    await asyncio.wait_for(asyncio.gather(*on_b, on_a[3]), 5.0)
+    assert client.order == ["b1", "b2", "b3", "b4", "a4"] and controller.parked == 3
+    rates["c"] = 0.0
+    pool.free["c"] = False
+    unknown = client.send("unknown", held_at("a", "c"))  # c's rate unknown: it may wait for it
+    await until(lambda: controller.parked == 4)
+    await free_and_finish(pool, controller, "a", *on_a[:3], unknown)
+    assert client.order[5:] == ["a1", "a2", "a3", "unknown"]
+
+
+async def test_a_request_counts_in_its_holders_line_from_its_arrival() -> None:
+    # While the pool is full nothing is examined. Then b frees: a's fourth and fifth (turns 4 s
+    # and 5 s away at a, beyond the 3 s wait) leave b's room to b1, queued behind them and never
+    # examined yet, and go to b only once b has no line.
+    pool = Pool(free={"a": False, "b": False})
+    config = settings(max_affinity_wait=3.0)
+    controller = weighing_lines(pool, config)
+    client = Client(controller, config)
+    on_a = [client.send(f"a{i}", held_at("a")) for i in range(1, 6)]
+    on_b = client.send("b1", held_at("b"))
+    await until(lambda: controller.count == 6)
+    assert controller.parked == 0
+    pool.saturation = 0.5
+    pool.free["b"] = True
     controller.wake()
-    await asyncio.wait_for(asyncio.gather(first, unknown), 5.0)
-    assert client.order == ["on-a-2", "on-a-1", "on-b-unknown-rate"]
+    await asyncio.wait_for(asyncio.gather(on_b, *on_a[3:]), 5.0)
+    assert client.order == ["b1", "a4", "a5"]
+    await free_and_finish(pool, controller, "a", *on_a[:3])
+    assert client.order[3:] == ["a1", "a2", "a3"]
+
+
+async def test_a_pod_whose_own_requests_keep_it_full_takes_none_of_another_pods_line() -> None:
+    # b has completed as many requests a second as have wanted it (ten in the window, 1/s):
+    # when its line is empty for a moment, a's far requests still wait for a; once b completes
+    # more than want it (2/s), it has spare capacity and takes those whose turn at a is far.
+    pool = Pool(0.5, {"a": False, "b": True})
+    config = settings(max_affinity_wait=3.0)
+    rates = {"a": 1.0, "b": 1.0}
+    looked: list[int] = []  # the cycles that weighed the lines
+
+    def pool_room() -> dict[str, bool]:
+        looked.append(1)
+        return dict(pool.free)
+
+    controller = weighing_lines(pool, config, rates, pool_room)
+    client = Client(controller, config)
+    await asyncio.wait_for(asyncio.gather(*(client.send(f"b{i}", held_at("b")) for i in range(10))), 5.0)
+    on_a = [client.send(f"a{i}", held_at("a")) for i in range(1, 6)]
+    await until(lambda: controller.parked == 5)
+    cycles = len(looked)
+    controller.wake()
+    await until(lambda: len(looked) > cycles)
+    assert controller.parked == 5 and len(client.order) == 10
+    rates["b"] = 2.0
+    controller.wake()
+    await asyncio.wait_for(asyncio.gather(*on_a[3:]), 5.0)
+    assert client.order[10:] == ["a4", "a5"] and controller.parked == 3
+    await free_and_finish(pool, controller, "a", *on_a[:3])
+    assert client.order[12:] == ["a1", "a2", "a3"]
+
+
+async def test_a_request_with_nothing_cached_waits_for_a_pod_with_the_shortest_line() -> None:
+    # Three requests wait for a and one for b, both full; then a frees. A request with nothing
+    # cached, though in a higher band, leaves a's room to a's own line until a's line is no
+    # longer than b's: a new prefix goes where the backlog is shortest, not where a slot freed.
+    pool = Pool(0.5, {"a": False, "b": False})
+    config = settings()
+    controller = weighing_lines(pool, config)
+    client = Client(controller, config)
+    waiting = [client.send(name, held_at(name[0])) for name in ("a1", "a2", "a3", "b1")]
+    await until(lambda: controller.parked == 4)
+    new = client.send("new", None, priority=1)
+    await until(lambda: controller.count == 5)
+    pool.free["a"] = True
+    controller.wake()
+    await asyncio.wait_for(asyncio.gather(new, *waiting[:3]), 5.0)
+    assert client.order == ["a1", "a2", "new", "a3"]
+    pool.free["b"] = True
+    controller.wake()
+    await asyncio.wait_for(waiting[3], 5.0)
+    assert client.order[4:] == ["b1"]
 
 
 async def test_without_affinity_wait_or_with_room_at_a_holder_it_is_plain_late_binding() -> None:
