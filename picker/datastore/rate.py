@@ -29,10 +29,6 @@ class EventRate:
         recent = len(self._times)
         return recent / RATE_WINDOW_SECONDS if recent >= RATE_MIN_COUNT else 0.0
 
-    @property
-    def empty(self) -> bool:
-        return not self._times
-
     def _drop_before(self, since: float) -> None:
         times = self._times
         while times and times[0] <= since:

@@ -42,7 +42,7 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter
 from types import TracebackType
 from typing import Any
@@ -333,7 +333,7 @@ class FlowController:
         rates = [start_rate(h) for h in holders]
         if not all(rates):
             return turn.now >= item.wait_until  # the holder's line cannot be weighed: wait at most `longest`
-        if not backlog.idle_elsewhere(holders, lambda address: self._has_spare_capacity(address, turn.now)):
+        if not any(self._has_spare_capacity(address, turn.now) for address in backlog.idle_elsewhere(holders)):
             return False
         return min(backlog.place(h, item.enqueued_at) / rate for h, rate in zip(holders, rates, strict=True)) > longest
 
@@ -489,13 +489,10 @@ class Backlog:
         """The place in `holder`'s line of a request enqueued at `enqueued_at` (1: next)."""
         return bisect.bisect_left(self._lines.get(holder, ()), enqueued_at) + 1
 
-    def idle_elsewhere(self, holders: frozenset[str], spare: Callable[[str], bool]) -> bool:
-        """Whether an endpoint other than `holders` has room, no request waiting for it and
-        `spare` capacity."""
-        return any(
-            free and address not in holders and address not in self._lines and spare(address)
-            for address, free in self._room.items()
-        )
+    def idle_elsewhere(self, holders: frozenset[str]) -> Iterator[str]:
+        """The endpoints other than `holders` with room and no request waiting for them."""
+        lines = self._lines
+        return (a for a, free in self._room.items() if free and a not in holders and a not in lines)
 
     def shortest_has_room(self) -> bool:
         """Whether an endpoint with room has no more requests waiting for it than any other:
