@@ -359,10 +359,12 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         """Tokenize off the event loop ahead of `prepare` (a no-op when nothing is tokenized)."""
         if not self.hasher.needs_tokenizing(request):
             return
+        # Marked before the wait: when the director's bound cancels it, `prepare` must go on
+        # without the blocks, not tokenize the prompt again on the event loop.
+        cycle_state[_HASHED_KEY] = True
         blocks = await self.hasher.hash_async(request, self.config.sizing(candidates))
         if blocks is not None:
             cycle_state[PROMPT_BLOCKS_KEY] = blocks
-        cycle_state[_HASHED_KEY] = True
 
     def _blocks(
         self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
