@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from picker.prefix.hashing import token_block_hashes
-from picker.sim.profiles import Profile
+from picker_sim.profiles import Profile
 
 _ROOT = 0
 

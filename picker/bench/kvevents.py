@@ -28,8 +28,8 @@ import zmq
 from picker.kvevents.decode import BlockRemoved, BlockStored, decode_message
 from picker.kvevents.precise import PreciseIndex
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.sim import kvcache
-from picker.sim.events import encode_batch
+from picker_sim import kvcache
+from picker_sim.events import encode_batch
 
 MODEL = "bench-model"
 

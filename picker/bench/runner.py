@@ -27,8 +27,8 @@ from picker.bench.systems import (
     start_system,
 )
 from picker.bench.workloads import Prompt, Session
-from picker.sim.engine import answer_ids
-from picker.sim.profiles import get_profile
+from picker_sim.engine import answer_ids
+from picker_sim.profiles import get_profile
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from picker.prefix.builtin_tokenizer import encode, render_chat
 from picker.request.openai import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
-from picker.sim.engine import answer_text
+from picker_sim.engine import answer_text
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces hash prompts in blocks of 512 tokens
 
@@ -201,7 +201,7 @@ class ConversationSpec:
     turns its clock (arrival plus the think times before them) reaches within the run's duration,
     so every conversation can end within the bench's drain time; the turn law above is the one
     before that cut. The answers kept in the history are the simulator's own answers to the
-    turns (`picker.sim.engine.answer_text`: a function of the prompt, so the workload stays
+    turns (`picker_sim.engine.answer_text`: a function of the prompt, so the workload stays
     deterministic), resent as a chat client does: the engine finds the blocks it generated for
     an answer cached when the next turn arrives, as vLLM does.
     """
@@ -280,7 +280,7 @@ def multi_turn(spec: MultiTurnSpec, rate: float, duration_s: float, seed: int) -
     """Sessions arriving at `rate / turns` per second (so turns arrive at about `rate`).
 
     The assistant replies kept in the history are the simulator's own answers to the turns
-    (`picker.sim.engine.answer_text`: a function of the prompt), as a chat client resends them:
+    (`picker_sim.engine.answer_text`: a function of the prompt), as a chat client resends them:
     deterministic, and the engine finds the blocks it generated cached on the next turn.
     """
     rng = random.Random(seed)

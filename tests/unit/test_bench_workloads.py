@@ -16,7 +16,7 @@ from picker.bench.runner import bounds_of
 from picker.bench.systems import FleetOptions
 from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import token_block_hashes
-from picker.sim.profiles import get_profile
+from picker_sim.profiles import get_profile
 
 
 def small_trace(tmp_path: Path, conversations: int = 12, turns: int = 4) -> Path:

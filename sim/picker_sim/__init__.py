@@ -6,7 +6,7 @@ token, and optionally a vLLM-style ZMQ KV-event publisher.
 
 Library use (inside a test's event loop)::
 
-    from picker.sim import Fleet, FleetConfig
+    from picker_sim import Fleet, FleetConfig
 
     fleet = Fleet(FleetConfig(pods=4, profile="tiny", time_scale=10, kv_events_base_port=0))
     await fleet.start()
@@ -26,7 +26,8 @@ KV events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (me
 `events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`. The
 built-in tokenizer is `picker.prefix.builtin_tokenizer`, shared with the router.
 
-May import: prefix (the built-in tokenizer). Serving code never imports the simulator.
+A distribution of its own (`sim/`, `picker-sim`), outside the product's wheel and image.
+May import: prefix (picker's built-in tokenizer); picker never imports the simulator.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from typing import Any
 
 __all__ = ["Faults", "Fleet", "FleetConfig", "Pod"]
 _HOMES = {
-    "Fleet": "picker.sim.fleet",
-    "FleetConfig": "picker.sim.fleet",
-    "Faults": "picker.sim.faults",
-    "Pod": "picker.sim.pod",
+    "Fleet": "picker_sim.fleet",
+    "FleetConfig": "picker_sim.fleet",
+    "Faults": "picker_sim.faults",
+    "Pod": "picker_sim.pod",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so importing one module (e.g. `picker.sim.kvcache`) does not import aiohttp and zmq.
+    # Lazy, so importing one module (e.g. `picker_sim.kvcache`) does not import aiohttp and zmq.
     if name in _HOMES:
         return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'picker.sim' has no attribute {name!r}")
+    raise AttributeError(f"module 'picker_sim' has no attribute {name!r}")

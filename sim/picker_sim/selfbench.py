@@ -1,6 +1,6 @@
 """Self-benchmark: how much CPU the simulator spends per request and per streamed token.
 
-    python -m picker.sim.selfbench [--pods 16] [--rate 300] [--duration 10] ...
+    python -m picker_sim.selfbench [--pods 16] [--rate 300] [--duration 10] ...
 
 Starts `picker sim` as a child process, drives it from this process at a constant open-loop
 request rate (spread round-robin over the pods, streaming completions), and reads the child's
@@ -110,7 +110,7 @@ async def _drive(urls: list[str], rate: float, duration: float, output_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m picker.sim.selfbench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m picker_sim.selfbench", description=__doc__.split("\n")[0])
     p.add_argument("--pods", type=int, default=16)
     p.add_argument("--rate", type=float, default=300.0, help="requests per second over all pods")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measured run")

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from picker.prefix.builtin_tokenizer import Tokenizer, load_tokenizer
-from picker.sim.engine import EngineConfig
-from picker.sim.faults import Faults
-from picker.sim.pod import Pod
-from picker.sim.profiles import DEFAULT_PROFILE, get_profile
+from picker_sim.engine import EngineConfig
+from picker_sim.faults import Faults
+from picker_sim.pod import Pod
+from picker_sim.profiles import DEFAULT_PROFILE, get_profile
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from picker.prefix.builtin_tokenizer import encode
-from picker.sim.kvcache import ROOT_HASH, KVCache, KVEvent, block_hashes
-from picker.sim.profiles import Profile
-from picker.sim.stats import EngineStats
+from picker_sim.kvcache import ROOT_HASH, KVCache, KVEvent, block_hashes
+from picker_sim.profiles import Profile
+from picker_sim.stats import EngineStats
 
 # What the simulated model "says": a fixed word cycle; each word is one built-in token.
 OUTPUT_WORDS = [

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from picker.sim.engine import Engine, Request
+    from picker_sim.engine import Engine, Request
 
 TTFT_BUCKETS = (
     0.001,

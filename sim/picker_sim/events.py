@@ -24,7 +24,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from picker.sim.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from picker_sim.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 

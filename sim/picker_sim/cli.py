@@ -16,11 +16,11 @@ import sys
 
 import uvloop
 
-from picker.sim.events import FORMATS
-from picker.sim.faults import Faults
-from picker.sim.fleet import Fleet, FleetConfig
-from picker.sim.pod import Pod
-from picker.sim.profiles import DEFAULT_PROFILE, PROFILES
+from picker_sim.events import FORMATS
+from picker_sim.faults import Faults
+from picker_sim.fleet import Fleet, FleetConfig
+from picker_sim.pod import Pod
+from picker_sim.profiles import DEFAULT_PROFILE, PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.self_bench:
-        from picker.sim import selfbench
+        from picker_sim import selfbench
 
         return selfbench.main([])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,10 +24,10 @@ import zmq.asyncio
 from aiohttp import HttpVersion11, web
 
 from picker.prefix.builtin_tokenizer import Tokenizer
-from picker.sim.engine import Engine, EngineConfig, EngineError, Request
-from picker.sim.events import KVEventPublisher
-from picker.sim.faults import FORCE_ERROR_HEADER, Faults
-from picker.sim.stats import render_metrics
+from picker_sim.engine import Engine, EngineConfig, EngineError, Request
+from picker_sim.events import KVEventPublisher
+from picker_sim.faults import FORCE_ERROR_HEADER, Faults
+from picker_sim.stats import render_metrics
 
 log = logging.getLogger(__name__)
 
