@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from picker.bench.kube_cluster import (
+from picker_bench.kube_cluster import (
     HELM_VERSION,
     KubeCluster,
     MissingBinaryError,
     cached_binary,
 )
-from picker.bench.kube_resources import (
+from picker_bench.kube_resources import (
     apply_manifests,
     create_namespace,
     service_account_kubeconfig,

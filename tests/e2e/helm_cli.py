@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from picker.bench.kube_cluster import KubeCluster
+from picker_bench.kube_cluster import KubeCluster
 
 
 def helm(helm_binary: Path, helm_env: dict[str, str], *args: str, kube: KubeCluster | None = None) -> str:

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from picker.bench.kube_resources import create_namespace
 from picker.config.loader import build, parse_text
+from picker_bench.kube_resources import create_namespace
 from tests.e2e.charts import (
     by_kind,
     chart_image,

@@ -26,8 +26,8 @@ import yaml
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
-from picker.bench.kube_resources import create_namespace, service_account_kubeconfig
-from picker.bench.process import ManagedProcess, free_port, wait_until
+from picker_bench.kube_resources import create_namespace, service_account_kubeconfig
+from picker_bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.charts import (
     by_kind,
     chart_image,

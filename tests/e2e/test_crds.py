@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from picker.bench.kube_resources import create_namespace, load_documents, pool_body
+from picker_bench.kube_resources import create_namespace, load_documents, pool_body
 from tests.e2e.conftest import ROOT
 
 V1 = ("inference.networking.k8s.io", "v1", "inferencepools")

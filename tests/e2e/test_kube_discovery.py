@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from picker.bench.kube_resources import (
+from picker.datastore.store import Datastore
+from picker.discovery.kube_reflector import KubeReflector
+from picker.discovery.kubernetes import KubeCredentialsError, KubernetesDiscovery
+from picker_bench.kube_resources import (
     create_namespace,
     create_pod,
     delete_pod,
@@ -23,10 +26,7 @@ from picker.bench.kube_resources import (
     set_pod_ready,
     wait_crds_established,
 )
-from picker.bench.process import wait_until
-from picker.datastore.store import Datastore
-from picker.discovery.kube_reflector import KubeReflector
-from picker.discovery.kubernetes import KubeCredentialsError, KubernetesDiscovery
+from picker_bench.process import wait_until
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
 

@@ -144,16 +144,16 @@ def test_pyproject_requirements_are_the_dependencies_and_the_extras_asked_for() 
     alone = pyproject_requirements(str(ROOT / "pyproject.toml"), "")
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout.splitlines() == project["dependencies"]
-    both = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizers, bench")
+    both = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizers, test")
     assert both.returncode == 0, both.stderr
     extras = project["optional-dependencies"]
-    assert both.stdout.splitlines() == project["dependencies"] + extras["tokenizers"] + extras["bench"]
+    assert both.stdout.splitlines() == project["dependencies"] + extras["tokenizers"] + extras["test"]
 
 
 def test_pyproject_requirements_refuses_an_unknown_extra_or_file(tmp_path) -> None:
     unknown = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizer")
     assert unknown.returncode == 1
-    assert "unknown extra tokenizer; pyproject.toml has bench, test, tokenizers" in unknown.stderr
+    assert "unknown extra tokenizer; pyproject.toml has test, tokenizers" in unknown.stderr
     assert unknown.stdout == ""
     missing = pyproject_requirements(str(tmp_path / "pyproject.toml"))
     assert missing.returncode == 1

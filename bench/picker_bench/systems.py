@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
-from picker.bench.process import ManagedProcess, free_port, port_open
-from picker.bench.stats import DecisionTime, histogram_decision_time
+from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
+from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.stats import DecisionTime, histogram_decision_time
 
 HOST = "127.0.0.1"
 DECISION_METRIC = "inference_extension_scheduler_e2e_duration_seconds"

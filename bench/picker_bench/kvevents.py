@@ -1,4 +1,4 @@
-"""Microbenchmark of the precise prefix index: `python -m picker.bench.kvevents [--blocks N] [--endpoints E]`.
+"""Microbenchmark of the precise prefix index: `python -m picker_bench.kvevents [--blocks N] [--endpoints E]`.
 
 Measures, in this process on one core:
 - scoring one request of N own blocks over E endpoints (endpoint i holds a prefix of
@@ -46,7 +46,7 @@ def _per_call(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.bench.kvevents", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.kvevents", description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=1000, help="blocks in the scored request (default 1000)")
     parser.add_argument("--endpoints", type=int, default=8, help="endpoints scored (default 8)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")

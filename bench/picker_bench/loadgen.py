@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from picker.bench.workloads import Prompt, Session
+from picker_bench.workloads import Prompt, Session
 
 POD_HEADER = "x-inference-pod"
 UNFINISHED = "unfinished when the run ended"

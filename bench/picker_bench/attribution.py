@@ -2,7 +2,7 @@
 
 The request records (`requests/<system>.jsonl`: pod, due time, latency, cached tokens) are
 replayed in the order the requests were dispatched, against a model of each pod's KV cache: an
-LRU of the pod's `num_gpu_blocks` blocks of the fleet's block size (`picker.bench.bound.BlockLRU`),
+LRU of the pod's `num_gpu_blocks` blocks of the fleet's block size (`picker_bench.bound.BlockLRU`),
 into which each request's prompt blocks are inserted at the pod that served it. Each request's
 prompt tokens then fall, in this order, into:
 
@@ -37,8 +37,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from picker.bench.bound import BlockLRU, PromptBlocks, leading_run
-from picker.bench.loadgen import RequestResult
+from picker_bench.bound import BlockLRU, PromptBlocks, leading_run
+from picker_bench.loadgen import RequestResult
 
 # Category -> label, in the order each request's prompt tokens are split.
 CATEGORIES = {

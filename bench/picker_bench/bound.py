@@ -21,7 +21,7 @@ engines also keep running requests' and outputs' blocks) but can also beat it: s
 across pods can keep a prefix that one shared LRU would have let a burst of other prompts push out.
 
 Both finite caches depend on the order of the prompts: the bench takes them in the order they
-are expected to arrive (`picker.bench.runner.arrival_order`).
+are expected to arrive (`picker_bench.runner.arrival_order`).
 
 The same walk gives a TTFT floor on the simulator: every prompt with its infinite-cache hits,
 prefilled alone on an idle engine. A request's TTFT can only be longer, so no router's TTFT

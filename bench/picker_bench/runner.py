@@ -12,21 +12,21 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench import progress as live
-from picker.bench import report as reports
-from picker.bench.attribution import attribute
-from picker.bench.bound import PrefixBound, PromptBlocks, prefill_floor_s
-from picker.bench.loadgen import LoadOptions, Progress, RequestResult, run_load
-from picker.bench.report import BenchReport
-from picker.bench.stats import SystemResult, percentile, summarize
-from picker.bench.systems import (
+from picker_bench import progress as live
+from picker_bench import report as reports
+from picker_bench.attribution import attribute
+from picker_bench.bound import PrefixBound, PromptBlocks, prefill_floor_s
+from picker_bench.loadgen import LoadOptions, Progress, RequestResult, run_load
+from picker_bench.report import BenchReport
+from picker_bench.stats import SystemResult, percentile, summarize
+from picker_bench.systems import (
     FleetOptions,
     Launcher,
     SystemSpec,
     start_fleet,
     start_system,
 )
-from picker.bench.workloads import Prompt, Session
+from picker_bench.workloads import Prompt, Session
 from picker_sim.engine import answer_ids
 from picker_sim.profiles import get_profile
 
@@ -49,7 +49,7 @@ class BenchPlan:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadBounds:
-    """What no router can beat on a workload and fleet (`picker.bench.bound`)."""
+    """What no router can beat on a workload and fleet (`picker_bench.bound`)."""
 
     hit_ratio: float
     fleet_hit_ratio: float  # with the fleet's KV capacity and optimal eviction
@@ -177,7 +177,7 @@ def _measure(
     objectives: Path | None,
 ) -> SystemResult:
     """One system: a cold fleet, the system in front of it, the whole workload, the numbers and
-    where its prompt tokens' cache hits went (`picker.bench.attribution`)."""
+    where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
     _, pods = start_fleet(fleet, launcher, tag)
     gateway = start_system(spec, pods, launcher, tag, objectives)
     options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)

@@ -1,6 +1,6 @@
 """What the picker adds to a request through Envoy: latency at a fixed rate, and maximum rate.
 
-`python -m picker.bench.overhead [--seconds S] [--rate R]` starts a fast backend, the picker and
+`python -m picker_bench.overhead [--seconds S] [--rate R]` starts a fast backend, the picker and
 Envoy (alone; with the picker in BUFFERED mode; with the picker in FULL_DUPLEX_STREAMED mode with
 response phases, as the reference gateway runs), then for 2 KB and 64 KB bodies measures latency
 at a fixed open-loop rate (Python client), latency one request at a time (wrk, one connection:
@@ -19,7 +19,7 @@ difference of a few percent between configs.
 
 `--reference-epp PATH` also runs the reference EPP v1.5.0 binary at PATH (`--enable-pprof=false`)
 in FULL_DUPLEX_STREAMED mode with response phases, the only mode it answers, over a real
-kube-apiserver + etcd (`picker.bench.reference_epp`).
+kube-apiserver + etcd (`picker_bench.reference_epp`).
 
 `--endpoints N` gives the backend N ports, so every picker chooses among N endpoints.
 
@@ -56,10 +56,10 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
-from picker.bench.cli import parse_picker_configs
-from picker.bench.envoy import EnvoyProcess, baseline_config, picker_config
-from picker.bench.process import ManagedProcess, free_port, health_serving, port_open, wait_until
-from picker.bench.reference_epp import MAX_TARGET_PORTS, ReferenceEpp
+from picker_bench.cli import parse_picker_configs
+from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config
+from picker_bench.process import ManagedProcess, free_port, health_serving, port_open, wait_until
+from picker_bench.reference_epp import MAX_TARGET_PORTS, ReferenceEpp
 
 BODY_SIZES = {"2KB": 2048, "64KB": 65536}
 STREAMS_PER_CONNECTION = 4  # with --workers: 16 connections for wrk's 64, spread by the kernel
@@ -341,7 +341,7 @@ def swap_config(path: Path, text: str, metrics_port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.bench.overhead")
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.overhead")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of each fixed-rate run")
     parser.add_argument("--rate", type=float, default=200.0, help="fixed open-loop rate, req/s")
     parser.add_argument("--saturation-seconds", type=int, default=8)
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         backend_ports = [free_port() for _ in range(args.endpoints)]
         backend = ManagedProcess(
             "backend",
-            [sys.executable, "-m", "picker.bench.backend", "127.0.0.1", *map(str, backend_ports)],
+            [sys.executable, "-m", "picker_bench.backend", "127.0.0.1", *map(str, backend_ports)],
             work,
         ).start()
         processes.append(backend)

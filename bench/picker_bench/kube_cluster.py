@@ -21,7 +21,7 @@ from typing import IO
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from picker.bench.process import free_port, wait_until
+from picker_bench.process import free_port, wait_until
 
 KUBE_VERSION = os.environ.get("KUBE_VERSION", "v1.36.3")
 HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")

@@ -1,6 +1,6 @@
 """Soak: a steady mixed load through Envoy and the picker to `picker sim` pods, for minutes.
 
-    python -m picker.bench.soak --minutes 10
+    python -m picker_bench.soak --minutes 10
 
 Every request must be answered as expected (200, or the documented 400 for the deliberately
 bad ones), the picker's p99 decision time must not drift, its RSS must grow less than 10%
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import aiohttp
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import ManagedProcess, free_port, port_open, wait_until
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import ManagedProcess, free_port, port_open, wait_until
 
 MODEL = "sim-model"
 SCHEDULER_HISTOGRAM = "inference_extension_scheduler_e2e_duration_seconds"
@@ -403,7 +403,7 @@ def run_soak(options: SoakOptions) -> SoakReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m picker.bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m picker_bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="how long to hold the load (default 10)")
     p.add_argument("--rate", type=float, default=25.0, help="requests per second (default 25)")
     p.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")

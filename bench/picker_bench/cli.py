@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from picker.bench import report as reports
-from picker.bench import workloads
-from picker.bench.runner import BenchPlan, bounds_of, run
-from picker.bench.systems import KINDS, FleetOptions, parse_systems
+from picker_bench import report as reports
+from picker_bench import workloads
+from picker_bench.runner import BenchPlan, bounds_of, run
+from picker_bench.systems import KINDS, FleetOptions, parse_systems
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
 # Flags that override one field of a workload spec: flag dest -> spec field.

@@ -125,7 +125,7 @@ async def serve(host: str, port: int) -> asyncio.AbstractServer:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m picker.bench.backend HOST PORT [PORT ...]`: serve on every port until killed."""
+    """`python -m picker_bench.backend HOST PORT [PORT ...]`: serve on every port until killed."""
     import uvloop
 
     async def run() -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 from kubernetes import client, dynamic
 
-from picker.bench.kube_cluster import KubeCluster, kubeconfig
-from picker.bench.process import wait_until
+from picker_bench.kube_cluster import KubeCluster, kubeconfig
+from picker_bench.process import wait_until
 
 POOL_V1 = ("inference.networking.k8s.io", "v1")
 POOL_LEGACY = ("inference.networking.x-k8s.io", "v1alpha2")

@@ -1,4 +1,4 @@
-"""Benchmark of the data layer: `python -m picker.bench.datalayer [--endpoints N] [--seconds S]`.
+"""Benchmark of the data layer: `python -m picker_bench.datalayer [--endpoints N] [--seconds S]`.
 
 Prints (1) CPU per parse of a realistic ~300-line vLLM page, next to prometheus_client's
 parser; (2) CPU per full scrape cycle (timer, HTTP request over a kept-alive connection,
@@ -21,12 +21,12 @@ import subprocess
 import sys
 import time
 
-from picker.bench.metric_pages import vllm_page
 from picker.datalayer.collector import MAX_PAGE_BYTES, MetricsCollector
 from picker.datalayer.engines import BUILTIN_ENGINES
 from picker.datalayer.parse import parse_page
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
+from picker_bench.metric_pages import vllm_page
 
 SERVER_HOST = "127.0.0.2"
 
@@ -47,7 +47,7 @@ def bench_parse() -> None:
     spec = BUILTIN_ENGINES["vllm"]
     per_parse = _cpu_per_call(lambda: parse_page(page, spec), 5000)
     lines = page.count(b"\n")
-    print(f"page: {lines} lines, {len(page)} bytes (picker.bench.metric_pages.vllm_page)")
+    print(f"page: {lines} lines, {len(page)} bytes (picker_bench.metric_pages.vllm_page)")
     print(f"targeted scan, CPU per parse:           {per_parse * 1e6:8.1f} µs   (target <= 150 µs)")
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -87,7 +87,7 @@ async def _serve(count: int) -> None:
 
 def _start_servers(count: int) -> tuple[subprocess.Popen[str], list[int]]:
     server = subprocess.Popen(
-        [sys.executable, "-m", "picker.bench.datalayer", "--serve", str(count)],
+        [sys.executable, "-m", "picker_bench.datalayer", "--serve", str(count)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -172,7 +172,7 @@ def bench_scrape(endpoints: int, seconds: float, interval: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.bench.datalayer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.datalayer", description=__doc__.splitlines()[0])
     parser.add_argument("--endpoints", type=int, default=50, help="endpoints in the check run (default 50)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each scrape run (default 3)")
     parser.add_argument("--interval", type=float, default=0.05, help="refresh interval in seconds (default 0.05)")

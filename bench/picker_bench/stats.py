@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from picker.bench.attribution import Attribution
-from picker.bench.loadgen import RequestResult
+from picker_bench.attribution import Attribution
+from picker_bench.loadgen import RequestResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -1,6 +1,6 @@
 """Benchmark: scheduling time per decision with the default config (or `--config-file`).
 
-    python -m picker.bench.scheduling [--endpoints 8,64,512] [--decisions 20000] [--config-file F]
+    python -m picker_bench.scheduling [--endpoints 8,64,512] [--decisions 20000] [--config-file F]
 
 Endpoints get random fresh metrics and in-flight counts; each decision is one
 `Scheduler.schedule` call (producers, filters, scorers, picker, metrics), timed over a loop.

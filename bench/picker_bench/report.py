@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from picker.bench.attribution import CATEGORIES
-from picker.bench.stats import SystemResult
+from picker_bench.attribution import CATEGORIES
+from picker_bench.stats import SystemResult
 
 PLOTS = {"ttft_cdf": "ttft_cdf.png", "hit_ratio": "hit_ratio.png", "load_spread": "load_spread.png"}
 
@@ -172,7 +172,7 @@ def _aligned(header: list[str], rows: list[list[str]]) -> str:
 
 
 def attribution_lines(report: BenchReport) -> list[str]:
-    """One line per system: where its prompt tokens' cache hits went (`picker.bench.attribution`)."""
+    """One line per system: where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
     return [f"{name}: {r.attribution.summary()}" for name, r in report.systems.items() if r.attribution is not None]
 
 
@@ -183,7 +183,7 @@ def attribution_markdown(report: BenchReport) -> list[str]:
         "",
         (
             "Each request's prompt tokens, split by replaying the requests in dispatch order against an LRU model "
-            "of each pod's KV cache (`picker/bench/attribution.py` says how): what the engine reported cached, "
+            "of each pod's KV cache (`bench/picker_bench/attribution.py` says how): what the engine reported cached, "
             "then the misses an infinite cache would have hit, by cause, then what no earlier prompt had."
         ),
         "",
@@ -294,8 +294,8 @@ def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
     """Write the PNG plots; return {plot key: file name} (none without matplotlib)."""
     try:
         import matplotlib
-    except ImportError:  # an optional dependency: `pip install picker[bench]`
-        print("picker bench: matplotlib is not installed, so no plots (pip install 'picker[bench]')", file=sys.stderr)
+    except ImportError:  # picker-bench depends on it, but an install without dependencies lacks it
+        print("picker bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
         return {}
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,7 +1,7 @@
 """The reference EPP (v1.5.0's `epp` binary) run beside the picker, for side-by-side benchmarks.
 
 It reads its endpoints only from a Kubernetes API, so this starts a real one (etcd +
-kube-apiserver, `picker.bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and one
+kube-apiserver, `picker_bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and one
 Pod whose status says Running and Ready at a local IP: the pool's target ports are the backend's
 ports, one endpoint each (at most 8, the CRD's limit). Its standalone mode
 (`--endpoint-selector`) cannot start in v1.5.0: it requires a pool name that its flag
@@ -18,15 +18,15 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from picker.bench.kube_cluster import KubeCluster
-from picker.bench.kube_resources import (
+from picker_bench.kube_cluster import KubeCluster
+from picker_bench.kube_resources import (
     apply_manifests,
     create_pod,
     put_pool,
     set_pod_ready,
     wait_crds_established,
 )
-from picker.bench.process import ManagedProcess, free_port, health_serving, port_open
+from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
 
 POD_LABELS = {"app": "bench-backend"}
 NAMESPACE = "default"  # the API server creates it at start

@@ -1,4 +1,4 @@
-"""`python -m picker.bench.responses [--chunks N] [--responses R]`: what a streamed response
+"""`python -m picker_bench.responses [--chunks N] [--responses R]`: what a streamed response
 costs the picker, per chunk and at its end, with and without `indexResponses`.
 
 A director routes a chat request (the built-in tokenizer, a 2,000-token history) and is then
@@ -20,11 +20,11 @@ from time import thread_time
 
 import orjson
 
-from picker.bench.backend import sse_answer
 from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.requestcontrol.director import Director
+from picker_bench.backend import sse_answer
 
 CONFIG = (
     "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -60,7 +60,7 @@ async def measure(index_responses: bool, chunks: int, responses: int) -> tuple[f
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.bench.responses", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.responses", description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=256, help="SSE events per response (default 256)")
     parser.add_argument("--responses", type=int, default=200, help="responses measured per variant (default 200)")
     args = parser.parse_args(argv)

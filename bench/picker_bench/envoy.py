@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from picker.bench.process import ManagedProcess
 from picker.datastore.endpoint import split_host_port
+from picker_bench.process import ManagedProcess
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests" / "envoy"
 PICKER_CONFIGS = {"duplex": "gateway.yaml", "buffered": "buffered.yaml"}

@@ -1,4 +1,4 @@
-"""`python -m picker.bench.prefix`: request-path cost of prefix hashing and matching.
+"""`python -m picker_bench.prefix`: request-path cost of prefix hashing and matching.
 
 Measures, per request, the work the producer does before scoring — render (chat), tokenize
 through the token cache, hash blocks, match the index — for ~16k-token prompts whose long
@@ -262,7 +262,7 @@ def bench_chars(count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m picker.bench.prefix", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.prefix", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300, help="timed requests per case")
     parser.add_argument("--tokens", type=int, default=16384, help="prompt size in tokens")
     parser.add_argument(

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-from picker.bench.loadgen import Progress
+from picker_bench.loadgen import Progress
 
 WIDTH = 28
 

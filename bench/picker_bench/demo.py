@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from picker.bench import cli
+from picker_bench import cli
 
 DEMO_ARGS = [
     "--systems",
