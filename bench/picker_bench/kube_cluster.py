@@ -24,7 +24,6 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from picker_bench.process import free_port, wait_until
 
 KUBE_VERSION = os.environ.get("KUBE_VERSION", "v1.36.3")
-HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
 BIN_DIR = Path(os.environ.get("PICKER_BIN_DIR", Path.home() / ".cache" / "picker" / "bin"))
 INSTALL_HINT = "run tools/install-test-binaries.sh (make test does) to build it"
 

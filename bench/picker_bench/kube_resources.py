@@ -1,5 +1,5 @@
-"""Creating and changing API objects in e2e tests and benchmarks (admin credentials, real API
-server)."""
+"""Creating and changing the API objects the reference EPP reads (admin credentials, real API
+server); the e2e tests use them too, and tests/e2e/kube_resources.py has those only tests need."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 import yaml
 from kubernetes import client, dynamic
 
-from picker_bench.kube_cluster import KubeCluster, kubeconfig
 from picker_bench.process import wait_until
 
 POOL_V1 = ("inference.networking.k8s.io", "v1")
@@ -63,13 +62,6 @@ def wait_crds_established(api: client.ApiClient, names: Iterable[str]) -> None:
         wait_until(functools.partial(established, name), 30, f"CRD {name} to be established")
 
 
-def create_namespace(api: client.ApiClient, prefix: str) -> str:
-    body = client.V1Namespace(metadata=client.V1ObjectMeta(generate_name=f"{prefix}-"))
-    metadata = client.CoreV1Api(api).create_namespace(body).metadata
-    assert metadata is not None and metadata.name is not None  # the API server named it
-    return metadata.name
-
-
 def create_pod(
     api: client.ApiClient,
     namespace: str,
@@ -97,11 +89,6 @@ def set_pod_ready(api: client.ApiClient, namespace: str, name: str, ip: str, rea
         "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": now}],
     }
     client.CoreV1Api(api).patch_namespaced_pod_status(name, namespace, {"status": status})
-
-
-def delete_pod(api: client.ApiClient, namespace: str, name: str) -> None:
-    # Grace period 0: with no kubelet, a graceful delete would only set deletionTimestamp.
-    client.CoreV1Api(api).delete_namespaced_pod(name, namespace, grace_period_seconds=0)
 
 
 def pool_body(name: str, selector: Mapping[str, str], ports: list[int], legacy: bool = False) -> dict[str, Any]:
@@ -148,26 +135,3 @@ def put_pool(
         return
     current["spec"] = body["spec"]
     custom.replace_namespaced_custom_object(group, version, namespace, "inferencepools", name, current)
-
-
-def patch_config_map(api: client.ApiClient, namespace: str, name: str, data: Mapping[str, str]) -> None:
-    client.CoreV1Api(api).patch_namespaced_config_map(name, namespace, {"data": dict(data)})
-
-
-def service_account_kubeconfig(
-    api: client.ApiClient, cluster: KubeCluster, namespace: str, name: str, path: Path
-) -> Path:
-    """A kubeconfig holding a TokenRequest token for ServiceAccount namespace/name."""
-    token = service_account_token(api, namespace, name)
-    path.write_text(
-        kubeconfig(cluster.server, cluster.ca_file, token, f"system:serviceaccount:{namespace}:{name}", namespace)
-    )
-    return path
-
-
-def service_account_token(api: client.ApiClient, namespace: str, name: str) -> str:
-    """A TokenRequest token (one hour) for ServiceAccount namespace/name."""
-    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
-    answer = client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
-    assert answer.status is not None and answer.status.token is not None  # the API server issued it
-    return answer.status.token

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from picker.config import cli as config_cli
-from picker_bench.kube_resources import service_account_token
+from tests.e2e.kube_resources import service_account_token
 from tests.stack import Picker, start_picker
 
 
