@@ -116,6 +116,15 @@ def test_the_dependencies_install_in_layers_that_depend_on_pyproject_alone() -> 
     assert "pip check" in final
 
 
+def test_the_image_is_built_from_the_products_source_alone() -> None:
+    """The simulator and the bench are not the product: the build context leaves them out and the
+    wheel stage copies picker's source only."""
+    wheel = stages((ROOT / "Dockerfile").read_text())["wheel"]
+    copied = [line.split()[1:-1] for line in wheel.splitlines() if line.startswith("COPY ")]
+    assert copied == [["README.md"], ["picker"]]
+    assert {"sim", "bench"} <= set((ROOT / ".dockerignore").read_text().split())
+
+
 def test_the_compiled_core_builds_in_a_stage_of_its_own_source() -> None:
     """The ext_proc core's wheel: a stage on the same base that copies only the toolchain script
     and native/extproc (crates fetched in a layer keyed by the lock file), so a change to picker's
