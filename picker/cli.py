@@ -9,11 +9,14 @@ import sys
 # imported lazily so `picker sim` does not pay for the server's imports and vice versa.
 _SUBCOMMANDS = {
     "serve": ("picker.serve", "Run the ext_proc endpoint picker."),
-    "sim": ("picker.sim.cli", "Run simulated vLLM-compatible model servers."),
-    "bench": ("picker.bench.cli", "Compare routers side by side on simulated pods."),
-    "demo": ("picker.bench.demo", "A two-minute comparison of round robin and the picker."),
+    "sim": ("picker_sim.cli", "Run simulated vLLM-compatible model servers."),
+    "bench": ("picker_bench.cli", "Compare routers side by side on simulated pods."),
+    "demo": ("picker_bench.demo", "A two-minute comparison of round robin and the picker."),
     "config": ("picker.config.cli", "Validate or show an EndpointPickerConfig."),
 }
+# The distributions of this repository that are not the product (never in its wheel or image):
+# import package → the pip arguments that install it from the checkout (the bench needs the sim).
+_RIG_DISTRIBUTIONS = {"picker_sim": "-e ./sim", "picker_bench": "-e ./sim -e ./bench"}
 
 
 def _usage() -> str:
@@ -31,7 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _SUBCOMMANDS:
         print(f"picker: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(_SUBCOMMANDS[name][0])
+    try:
+        module = importlib.import_module(_SUBCOMMANDS[name][0])
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if missing not in _RIG_DISTRIBUTIONS:
+            raise
+        print(
+            f"picker {name}: {missing} is not installed; from the checkout: "
+            f"pip install {_RIG_DISTRIBUTIONS[missing]} (make install does)",
+            file=sys.stderr,
+        )
+        return 2
     return int(module.main(rest) or 0)
 
 

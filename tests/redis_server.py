@@ -9,8 +9,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from picker.bench.process import ManagedProcess, free_port, port_open
-from picker.bench.systems import redis_argv
+from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.systems import redis_argv
 
 
 @dataclass

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import ManagedProcess, free_port, port_open
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import ManagedProcess, free_port, port_open
 
 ROOT = Path(__file__).resolve().parents[1]
 _hosts = itertools.count(random.randrange(10, 200))

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from picker.bench.kube_resources import apply_manifests, wait_crds_established
+from picker_bench.kube_resources import apply_manifests, wait_crds_established
 from tests.e2e.helm_cli import helm
 from tests.reference_epp import reference_dir
 

@@ -11,19 +11,10 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from picker.bench.kube_cluster import (
-    HELM_VERSION,
-    KubeCluster,
-    MissingBinaryError,
-    cached_binary,
-)
-from picker.bench.kube_resources import (
-    apply_manifests,
-    create_namespace,
-    service_account_kubeconfig,
-    wait_crds_established,
-)
-from tests.e2e.helm_cli import helm
+from picker_bench.kube_cluster import KubeCluster, MissingBinaryError, cached_binary
+from picker_bench.kube_resources import apply_manifests, wait_crds_established
+from tests.e2e.helm_cli import HELM_VERSION, helm
+from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "picker"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
-from picker.bench.kube_cluster import KubeCluster
+from picker_bench.kube_cluster import KubeCluster
+
+# The helm tools/install-test-binaries.sh installs (the same default, the same variable).
+HELM_VERSION = os.environ.get("HELM_VERSION", "v3.19.0")
 
 
 def helm(helm_binary: Path, helm_env: dict[str, str], *args: str, kube: KubeCluster | None = None) -> str:

@@ -14,7 +14,6 @@ import pytest
 import yaml
 from kubernetes import client
 
-from picker.bench.kube_resources import create_namespace
 from picker.config.loader import build, parse_text
 from tests.e2e.charts import (
     by_kind,
@@ -27,6 +26,7 @@ from tests.e2e.charts import (
 )
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
+from tests.e2e.kube_resources import create_namespace
 
 CUSTOM_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from picker.bench.kube_resources import create_namespace, load_documents, pool_body
+from picker_bench.kube_resources import load_documents, pool_body
 from tests.e2e.conftest import ROOT
+from tests.e2e.kube_resources import create_namespace
 
 V1 = ("inference.networking.k8s.io", "v1", "inferencepools")
 LEGACY = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools")

@@ -26,8 +26,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
-from picker.bench.kube_resources import create_pod, patch_config_map, put_pool, set_pod_ready
-from picker.bench.process import ManagedProcess, free_port, wait_until
+from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
+from picker_bench.process import ManagedProcess, free_port, wait_until
+from tests.e2e.kube_resources import patch_config_map
 from tests.e2e.test_kube_routing import shared_port
 from tests.sim_fixtures import start_sim, stop_process
 from tests.stack import Picker, health_status, serving, start_envoy, start_picker

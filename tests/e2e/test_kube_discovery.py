@@ -13,22 +13,14 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from picker.bench.kube_resources import (
-    create_namespace,
-    create_pod,
-    delete_pod,
-    patch_config_map,
-    put_pool,
-    service_account_kubeconfig,
-    set_pod_ready,
-    wait_crds_established,
-)
-from picker.bench.process import wait_until
 from picker.datastore.store import Datastore
 from picker.discovery.kube_reflector import KubeReflector
 from picker.discovery.kubernetes import KubeCredentialsError, KubernetesDiscovery
+from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready, wait_crds_established
+from picker_bench.process import wait_until
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
+from tests.e2e.kube_resources import create_namespace, delete_pod, patch_config_map, service_account_kubeconfig
 
 CHANGE_DEADLINE = 1.0  # the acceptance bound for a pod change to reach the datastore
 START_DEADLINE = 10.0  # first list after start, on a shared 2-core machine

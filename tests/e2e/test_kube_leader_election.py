@@ -24,19 +24,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.kube_cluster import KubeCluster
-from picker.bench.kube_resources import (
-    create_namespace,
-    create_pod,
-    put_pool,
-    service_account_kubeconfig,
-    set_pod_ready,
-)
-from picker.bench.process import ManagedProcess, free_port, wait_until
 from picker.discovery.lease import LeaseTiming, lease_name
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.kube_cluster import KubeCluster
+from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
+from picker_bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
+from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
 from tests.e2e.test_kube_routing import post, shared_port
 from tests.stack import health_status, loopback_addresses, start_backends
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from picker.bench.kube_resources import service_account_token
 from picker.config import cli as config_cli
+from tests.e2e.kube_resources import service_account_token
 from tests.stack import Picker, start_picker
 
 

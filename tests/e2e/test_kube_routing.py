@@ -18,15 +18,10 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from picker.bench.kube_cluster import KubeCluster
-from picker.bench.kube_resources import (
-    create_pod,
-    delete_pod,
-    patch_config_map,
-    put_pool,
-    set_pod_ready,
-)
-from picker.bench.process import ManagedProcess
+from picker_bench.kube_cluster import KubeCluster
+from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
+from picker_bench.process import ManagedProcess
+from tests.e2e.kube_resources import delete_pod, patch_config_map
 from tests.stack import Picker, start_backends, start_envoy, start_picker
 
 CHANGE_DEADLINE = 1.0

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes import client, dynamic
 
-from picker.bench.kube_resources import load_documents
+from picker_bench.kube_resources import load_documents
 from tests.e2e.charts import chart_image, install_third_party_crds
 from tests.e2e.conftest import ROOT
 from tests.e2e.helm_cli import helm

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import yaml
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import free_port
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import free_port
 from tests.backends import usage_for
 from tests.stack import Picker, loopback_addresses, start_backends, start_picker
 

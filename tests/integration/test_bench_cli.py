@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from picker.bench.process import wait_until
+from picker_bench.process import wait_until
 
 SMALL = [
     "--workload",

@@ -1,4 +1,4 @@
-"""`python -m picker.bench.kvevents --record/--replay` against a real ZMQ publisher."""
+"""`python -m picker_bench.kvevents --record/--replay` against a real ZMQ publisher."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 import zmq.asyncio
 
-from picker.bench.kvevents import record, replay
 from picker.kvevents.decode import BlockRemoved
+from picker_bench.kvevents import record, replay
 from tests.integration.test_kvevents_subscriber import PROMPT, Publisher, engine_keys, stored
 
 

@@ -12,10 +12,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from picker.bench import workloads as w
-from picker.bench.bound import infinite_cache_hit_ratio
-from picker.bench.loadgen import UNFINISHED, LoadOptions, Progress, run_load
 from picker.prefix.builtin_tokenizer import encode, render_chat
+from picker_bench import workloads as w
+from picker_bench.bound import infinite_cache_hit_ratio
+from picker_bench.loadgen import UNFINISHED, LoadOptions, Progress, run_load
 
 FIRST_TOKEN_DELAY = 0.15
 

@@ -14,9 +14,9 @@ from collections import Counter
 
 from aiohttp import web
 
-from picker.bench.metric_pages import vllm_page
-from picker.bench.process import free_port
 from picker.serve import PickerServer, build_parser
+from picker_bench.metric_pages import vllm_page
+from picker_bench.process import free_port
 
 HOST = "127.0.0.1"
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"

@@ -13,16 +13,16 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from picker.bench.metric_pages import (
+from picker.datalayer.collector import MetricsCollector
+from picker.datalayer.engines import ENGINE_LABEL_KEY
+from picker.datastore.endpoint import Endpoint, EndpointMetrics
+from picker.datastore.store import Datastore
+from picker_bench.metric_pages import (
     sglang_page,
     triton_page,
     trtllm_page,
     vllm_page,
 )
-from picker.datalayer.collector import MetricsCollector
-from picker.datalayer.engines import ENGINE_LABEL_KEY
-from picker.datastore.endpoint import Endpoint, EndpointMetrics
-from picker.datastore.store import Datastore
 
 POLL = 0.01
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from picker.bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
-from picker.bench.process import free_port, wait_until
+from picker_bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
+from picker_bench.process import free_port, wait_until
 from tests.stack import health_status, start_picker
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from picker.bench.process import wait_until
 from picker.extproc.tls import self_signed_certificate
+from picker_bench.process import wait_until
 from tests.stack import start_envoy, start_picker
 
 

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.bench.process import ManagedProcess
-from picker.bench.soak import MODEL, start_sim_pods
+from picker_bench.process import ManagedProcess
+from picker_bench.soak import MODEL, start_sim_pods
 from tests.sim_fixtures import eventually
 from tests.stack import Picker, start_envoy, start_picker
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from picker.bench.soak import MODEL, start_sim_pods
+from picker_bench.soak import MODEL, start_sim_pods
 from tests.integration.test_flow_control import FlowStack
 from tests.sim_fixtures import eventually
 from tests.stack import start_envoy, start_picker

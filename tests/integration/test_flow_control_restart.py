@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from picker.bench.soak import start_sim_pods
+from picker_bench.soak import start_sim_pods
 from tests.integration.test_flow_control import OBJECTIVES, FlowStack, config, post
 from tests.sim_fixtures import eventually
 from tests.stack import Picker, start_envoy, start_picker

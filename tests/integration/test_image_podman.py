@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from picker.bench.process import ManagedProcess, free_port, wait_until
+from picker_bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.charts import chart_image
 from tests.stack import health_status, loopback_addresses, serving, start_backends, start_envoy
 

@@ -28,8 +28,8 @@ from picker.datastore.store import Datastore
 from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.sim.kvcache import block_hashes as sim_block_hashes
 from picker.telemetry import metrics
+from picker_sim.kvcache import block_hashes as sim_block_hashes
 
 MODEL = "sim-model"
 BLOCK = 16

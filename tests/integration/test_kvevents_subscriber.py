@@ -14,7 +14,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from picker.bench.process import wait_until
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.kvevents.decode import (
@@ -33,6 +32,7 @@ from picker.kvevents.subscriber import (
 )
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.telemetry import metrics
+from picker_bench.process import wait_until
 from tests.kv_event_encoder import ENCODINGS, Encoding, encode_batch, encode_message
 
 HOST = "127.0.0.1"

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import ManagedProcess, free_port, wait_until
-from picker.bench.soak import MODEL, scrape, start_sim_pods
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import ManagedProcess, free_port, wait_until
+from picker_bench.soak import MODEL, scrape, start_sim_pods
 from tests.stack import start_envoy, start_picker
 
 PINNED_CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1

@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from picker.bench.soak import rss_mib
+from picker_bench.soak import rss_mib
 from tests.stack import Stack, start_envoy, start_picker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,10 +1,10 @@
-"""A short soak (the `python -m picker.bench.soak` command, 30 s): nothing lost, nothing grows."""
+"""A short soak (the `python -m picker_bench.soak` command, 30 s): nothing lost, nothing grows."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from picker.bench.soak import SoakOptions, run_soak
+from picker_bench.soak import SoakOptions, run_soak
 
 
 def test_thirty_second_soak_loses_nothing_and_stays_bounded(log_dir: Path) -> None:

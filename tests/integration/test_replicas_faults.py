@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench.envoy import REPLICA_EJECTION_SECONDS, EnvoyProcess, replicated_picker_config
-from picker.bench.process import free_port, wait_until
-from picker.bench.soak import start_sim_pods
 from picker.state.sync import LOAD_EXPIRES_MS
+from picker_bench.envoy import REPLICA_EJECTION_SECONDS, EnvoyProcess, replicated_picker_config
+from picker_bench.process import free_port, wait_until
+from picker_bench.soak import start_sim_pods
 from tests.integration.test_reliability_faults import gauge, post
 from tests.redis_server import RedisServer, start_redis
 from tests.stack import Picker, start_picker

@@ -10,7 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from picker.bench.process import wait_until
+from picker_bench.process import wait_until
 from tests.stack import start_envoy, start_picker
 
 

@@ -17,10 +17,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from picker.bench.metric_pages import trtllm_page
-from picker.bench.process import ManagedProcess, free_port, port_open, wait_until
-from picker.bench.soak import scrape
 from picker.telemetry.health import EXT_PROC_SERVICE
+from picker_bench.metric_pages import trtllm_page
+from picker_bench.process import ManagedProcess, free_port, port_open, wait_until
+from picker_bench.soak import scrape
 from tests.stack import health_status, loopback_addresses, start_picker
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench.process import ManagedProcess, free_port, port_open
+from picker_bench.process import ManagedProcess, free_port, port_open
 from tests.stack import serving
 
 # Top-level packages a static-endpoints picker never needs.

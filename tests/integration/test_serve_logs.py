@@ -16,8 +16,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from picker.bench.process import free_port, wait_until
-from picker.bench.soak import MODEL, start_sim_pods
+from picker_bench.process import free_port, wait_until
+from picker_bench.soak import MODEL, start_sim_pods
 from tests.stack import start_envoy, start_picker
 
 CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1

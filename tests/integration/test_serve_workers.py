@@ -17,9 +17,9 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import free_port, wait_until
 from picker.workers.metrics import parse_page
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import free_port, wait_until
 from tests.integration.test_reliability_faults import post
 from tests.stack import Picker, health_status, serving, start_picker
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiohttp
 
-from picker.sim import Fleet, FleetConfig
+from picker_sim import Fleet, FleetConfig
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.prefix.builtin_tokenizer import encode, render_chat
-from picker.sim import Fleet, FleetConfig
+from picker_sim import Fleet, FleetConfig
 from tests.sim_fixtures import eventually
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(600))  # 600 tokens

@@ -10,8 +10,8 @@ import pytest
 import zmq.asyncio
 
 from picker.prefix.builtin_tokenizer import encode
-from picker.sim import Fleet, FleetConfig
-from picker.sim.kvcache import block_hashes
+from picker_sim import Fleet, FleetConfig
+from picker_sim.kvcache import block_hashes
 from tests.sim_fixtures import BlockSetSubscriber
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench.process import wait_until
+from picker_bench.process import wait_until
 from tests.integration.test_reliability_faults import gauge
 from tests.redis_server import RedisServer, start_redis
 from tests.stack import Picker, start_envoy, start_picker

@@ -22,8 +22,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from picker.bench.process import free_port, wait_until
-from picker.bench.soak import MODEL, start_sim_pods
+from picker_bench.process import free_port, wait_until
+from picker_bench.soak import MODEL, start_sim_pods
 from tests.stack import start_envoy, start_picker
 
 CONFIG = """apiVersion: inference.networking.x-k8s.io/v1alpha1

@@ -16,8 +16,8 @@ import yaml
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from picker.bench.envoy import EnvoyProcess, picker_config
-from picker.bench.process import ManagedProcess, free_port
+from picker_bench.envoy import EnvoyProcess, picker_config
+from picker_bench.process import ManagedProcess, free_port
 from tests.stack import loopback_addresses, start_picker
 
 CONFIG = {

@@ -1,5 +1,6 @@
-"""The layout's rules: every module imports alone, and dependencies point one way (no cycle
-between modules, nor between the packages of `picker/`)."""
+"""The layout's rules: every module imports alone, dependencies point one way (no cycle between
+modules, nor between the packages of `picker/`), and the product never imports the simulator or
+the bench (distributions of their own, outside its wheel)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "picker"
+# The repository's import packages, each with its directory: the product and its test rig.
+PACKAGES = {
+    "picker": PACKAGE,
+    "picker_sim": ROOT / "sim" / "picker_sim",
+    "picker_bench": ROOT / "bench" / "picker_bench",
+}
+RIG = set(PACKAGES) - {"picker"}
 
 # Each module is imported in a child forked from an interpreter that has imported nothing of
 # picker (nor its dependencies): as if alone in a fresh interpreter, at a fork's cost.
@@ -33,12 +41,14 @@ print("FAILED:" + ",".join(failed))
 """
 
 
-def module_names() -> list[str]:
-    names = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+def module_files() -> dict[str, Path]:
+    """Every module of the repository's packages, by name."""
+    files = {}
+    for directory in PACKAGES.values():
+        for path in sorted(directory.rglob("*.py")):
+            parts = path.relative_to(directory.parent).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
 
 
 def imported_modules(path: Path, known: set[str]) -> set[str]:
@@ -64,22 +74,30 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    known = set(module_names())
-    graph: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        graph[name] = imported_modules(path, known) - {name}
-    return graph
+    files = module_files()
+    known = set(files)
+    return {name: imported_modules(path, known) - {name} for name, path in files.items()}
 
 
 def package_of(module: str) -> str:
+    """`picker.x` for picker's modules; the simulator and the bench count as one package each."""
     parts = module.split(".")
-    return ".".join(parts[:2])
+    return ".".join(parts[:2]) if parts[0] == "picker" else parts[0]
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level packages `path` imports anywhere (under `if TYPE_CHECKING:` too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.partition(".")[0])
+    return found
 
 
 def test_every_picker_module_imports_alone_in_a_fresh_interpreter() -> None:
-    names = module_names()
+    names = list(module_files())
     assert len(names) > 50
     result = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True, cwd=ROOT, timeout=240
@@ -121,12 +139,12 @@ def test_the_cycle_checks_see_a_cycle() -> None:
     raise AssertionError("an added back edge was not reported as a cycle")
 
 
-def declared_dependencies(package: str) -> set[str] | None:
-    """The packages (and top-level modules) a package's docstring says it may import (None:
-    "anything")."""
-    docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text(encoding="utf-8"))) or ""
+def declared_dependencies(directory: Path) -> set[str] | None:
+    """The packages (and top-level modules) of picker a package's docstring says it may import
+    (None: "anything")."""
+    docstring = ast.get_docstring(ast.parse((directory / "__init__.py").read_text(encoding="utf-8"))) or ""
     _, found, rule = docstring.partition("May import:")
-    assert found, f"picker/{package}/__init__.py does not say what it may import"
+    assert found, f"{directory / '__init__.py'} does not say what it may import"
     rule = rule.split(".")[0]
     if rule.strip().startswith("anything"):
         return None
@@ -134,15 +152,33 @@ def declared_dependencies(package: str) -> set[str] | None:
     return {word for word in rule.replace(",", " ").replace("(", " ").split() if word in names}
 
 
+def picker_packages_imported(imports: set[str]) -> set[str]:
+    """The packages of picker among `imports` (`picker.prefix.hashing` → `prefix`)."""
+    return {i.split(".")[1] for i in imports if i.startswith("picker.")}
+
+
 def test_packages_import_only_what_their_docstring_allows() -> None:
-    actual: dict[str, set[str]] = {}
+    actual: dict[Path, set[str]] = {}
     for module, imports in import_graph().items():
-        if module.count(".") >= 1 and (PACKAGE / module.split(".")[1]).is_dir():
-            package = module.split(".")[1]
-            actual.setdefault(package, set()).update(
-                i.split(".")[1] for i in imports if i.count(".") >= 1 and i.split(".")[1] != package
-            )
-    for package, imports in sorted(actual.items()):
-        allowed = declared_dependencies(package)
+        parts = module.split(".")
+        if parts[0] == "picker" and len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+            actual.setdefault(PACKAGE / parts[1], set()).update(picker_packages_imported(imports) - {parts[1]})
+        elif parts[0] in RIG:
+            actual.setdefault(PACKAGES[parts[0]], set()).update(picker_packages_imported(imports))
+    assert PACKAGES["picker_sim"] in actual
+    for directory, imports in sorted(actual.items()):
+        allowed = declared_dependencies(directory)
         if allowed is not None:
-            assert imports <= allowed, f"picker/{package} imports {sorted(imports - allowed)}, not in its docstring"
+            assert imports <= allowed, (
+                f"{directory} imports {sorted(imports - allowed)} of picker, not in its docstring"
+            )
+
+
+def test_the_product_never_imports_the_simulator_or_the_bench() -> None:
+    """They are not in picker's wheel or image: an import of them from picker would fail there."""
+    offending = {
+        str(path.relative_to(ROOT)): sorted(top_level_imports(path) & RIG) for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert {path: rig for path, rig in offending.items() if rig} == {}
+    # The scan sees such imports where they are: the bench's runner imports the simulator.
+    assert "picker_sim" in top_level_imports(PACKAGES["picker_bench"] / "runner.py")

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from picker.bench.attribution import CATEGORIES, attribute
-from picker.bench.bound import BlockLRU, PrefixBound, PromptBlocks, belady_hits, lru_hits
-from picker.bench.loadgen import RequestResult
-from picker.bench.runner import arrival_order, bounds_of
-from picker.bench.systems import FleetOptions
-from picker.bench.workloads import Prompt, Session
+from picker_bench.attribution import CATEGORIES, attribute
+from picker_bench.bound import BlockLRU, PrefixBound, PromptBlocks, belady_hits, lru_hits
+from picker_bench.loadgen import RequestResult
+from picker_bench.runner import arrival_order, bounds_of
+from picker_bench.systems import FleetOptions
+from picker_bench.workloads import Prompt, Session
 
 BS = 4  # tokens per block in the hand-made sequences
 

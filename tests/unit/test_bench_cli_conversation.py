@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench import cli, workloads
-from picker.bench.runner import BenchPlan
+from picker_bench import cli, workloads
+from picker_bench.runner import BenchPlan
 
 SMALL = ["--workload", "conversation", "--bounds-only", "--duration", "5", "--rate", "4", "--system-prompt-len", "16"]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench import cli, report, workloads
-from picker.bench.loadgen import RequestResult
-from picker.bench.runner import BenchPlan
-from picker.bench.stats import summarize
 from picker.request.openai import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
+from picker_bench import cli, report, workloads
+from picker_bench.loadgen import RequestResult
+from picker_bench.runner import BenchPlan
+from picker_bench.stats import summarize
 
 SMALL = ["--workload", "multi-tenant", "--bounds-only", "--duration", "20", "--system-prompt-len", "16"]
 

@@ -11,7 +11,7 @@ from time import perf_counter, process_time
 
 import pytest
 
-from picker.bench.overhead import cpu_seconds, machine_cpu, median_over, tree_env, with_added_latency
+from picker_bench.overhead import cpu_seconds, machine_cpu, median_over, tree_env, with_added_latency
 
 
 def _burn(seconds: float) -> None:

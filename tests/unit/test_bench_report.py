@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench import cli, demo, report
-from picker.bench.attribution import Attribution
-from picker.bench.loadgen import RequestResult
-from picker.bench.stats import histogram_decision_time, percentile, summarize
-from picker.bench.systems import parse_systems
+from picker_bench import cli, demo, report
+from picker_bench.attribution import Attribution
+from picker_bench.loadgen import RequestResult
+from picker_bench.stats import histogram_decision_time, percentile, summarize
+from picker_bench.systems import parse_systems
 
 
 def result(

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from picker.bench import workloads as w
-from picker.bench.bound import PrefixBound, belady_hits, infinite_cache_hit_ratio, prefill_floor_s
-from picker.bench.runner import bounds_of
-from picker.bench.systems import FleetOptions
 from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import token_block_hashes
-from picker.sim.profiles import get_profile
+from picker_bench import workloads as w
+from picker_bench.bound import PrefixBound, belady_hits, infinite_cache_hit_ratio, prefill_floor_s
+from picker_bench.runner import bounds_of
+from picker_bench.systems import FleetOptions
+from picker_sim.profiles import get_profile
 
 
 def small_trace(tmp_path: Path, conversations: int = 12, turns: int = 4) -> Path:

@@ -12,11 +12,11 @@ import yaml
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from picker.bench.process import free_port
 from picker.config import cli
 from picker.config.loader import to_document, to_yaml
 from picker.config.runtime import RuntimeHolder
 from picker.telemetry.http import metrics_app, start_metrics_server
+from picker_bench.process import free_port
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 BY_QUEUE = HEADER + "featureGates: [dataLayer]\nplugins: [{type: queue-scorer}]\n"

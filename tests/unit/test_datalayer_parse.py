@@ -5,15 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from picker.bench.metric_pages import (
+from picker.datalayer.engines import BUILTIN_ENGINES, engine_spec_from_config
+from picker.datalayer.parse import parse_page
+from picker.datastore.endpoint import EndpointMetrics
+from picker_bench.metric_pages import (
     sglang_page,
     triton_page,
     trtllm_page,
     vllm_page,
 )
-from picker.datalayer.engines import BUILTIN_ENGINES, engine_spec_from_config
-from picker.datalayer.parse import parse_page
-from picker.datastore.endpoint import EndpointMetrics
 
 VLLM = BUILTIN_ENGINES["vllm"]
 

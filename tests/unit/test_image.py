@@ -116,6 +116,15 @@ def test_the_dependencies_install_in_layers_that_depend_on_pyproject_alone() -> 
     assert "pip check" in final
 
 
+def test_the_image_is_built_from_the_products_source_alone() -> None:
+    """The simulator and the bench are not the product: the build context leaves them out and the
+    wheel stage copies picker's source only."""
+    wheel = stages((ROOT / "Dockerfile").read_text())["wheel"]
+    copied = [line.split()[1:-1] for line in wheel.splitlines() if line.startswith("COPY ")]
+    assert copied == [["README.md"], ["picker"]]
+    assert {"sim", "bench"} <= set((ROOT / ".dockerignore").read_text().split())
+
+
 def test_the_compiled_core_builds_in_a_stage_of_its_own_source() -> None:
     """The ext_proc core's wheel: a stage on the same base that copies only the toolchain script
     and native/extproc (crates fetched in a layer keyed by the lock file), so a change to picker's
@@ -144,16 +153,16 @@ def test_pyproject_requirements_are_the_dependencies_and_the_extras_asked_for() 
     alone = pyproject_requirements(str(ROOT / "pyproject.toml"), "")
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout.splitlines() == project["dependencies"]
-    both = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizers, bench")
+    both = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizers, test")
     assert both.returncode == 0, both.stderr
     extras = project["optional-dependencies"]
-    assert both.stdout.splitlines() == project["dependencies"] + extras["tokenizers"] + extras["bench"]
+    assert both.stdout.splitlines() == project["dependencies"] + extras["tokenizers"] + extras["test"]
 
 
 def test_pyproject_requirements_refuses_an_unknown_extra_or_file(tmp_path) -> None:
     unknown = pyproject_requirements(str(ROOT / "pyproject.toml"), "tokenizer")
     assert unknown.returncode == 1
-    assert "unknown extra tokenizer; pyproject.toml has bench, test, tokenizers" in unknown.stderr
+    assert "unknown extra tokenizer; pyproject.toml has test, tokenizers" in unknown.stderr
     assert unknown.stdout == ""
     missing = pyproject_requirements(str(tmp_path / "pyproject.toml"))
     assert missing.returncode == 1

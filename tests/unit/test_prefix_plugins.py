@@ -454,8 +454,8 @@ def test_ttft_priors_follow_the_installed_config_not_a_rejected_one() -> None:
 
 def test_expected_cached_tokens_equal_what_the_simulated_engine_reuses() -> None:
     # The real simulator engine (in process), fed the router's own token ids for chat requests.
-    from picker.sim.engine import Engine, EngineConfig
-    from picker.sim.profiles import DEFAULT_PROFILE, get_profile
+    from picker_sim.engine import Engine, EngineConfig
+    from picker_sim.profiles import DEFAULT_PROFILE, get_profile
 
     store = _store(ADDRESSES[:1])
     producer = _producer(Handle(store), tokenizers={"m": "builtin"})

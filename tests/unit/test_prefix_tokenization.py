@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from picker.bench.prefix import build_bpe_tokenizer
 from picker.framework.request import Api, InferenceRequest, Message
 from picker.prefix import builtin_tokenizer as sim_tokenizer
 from picker.prefix.hashing import chain_seed, token_block_hashes
@@ -20,6 +19,7 @@ from picker.prefix.tokenizer import (
     HuggingFacePromptTokenizer,
     load_prompt_tokenizer,
 )
+from picker_bench.prefix import build_bpe_tokenizer
 
 WORDS = [
     "the",

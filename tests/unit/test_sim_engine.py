@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from picker.sim.engine import Engine, EngineConfig, EngineError
-from picker.sim.profiles import Profile, get_profile
+from picker_sim.engine import Engine, EngineConfig, EngineError
+from picker_sim.profiles import Profile, get_profile
 
 FAST = EngineConfig(
     profile=get_profile("tiny"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from picker.sim.kvcache import (
+from picker_sim.kvcache import (
     ROOT_HASH,
     AllBlocksCleared,
     BlockRemoved,

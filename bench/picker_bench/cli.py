@@ -1,0 +1,348 @@
+"""`picker bench`: compare routers side by side on the same simulated fleet and workload."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from picker_bench import report as reports
+from picker_bench import workloads
+from picker_bench.runner import BenchPlan, bounds_of, run
+from picker_bench.systems import KINDS, FleetOptions, parse_systems
+
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
+# Flags that override one field of a workload spec: flag dest -> spec field.
+SPEC_FLAGS = {
+    "shared-prefix": {
+        "groups": "groups",
+        "prompts_per_group": "prompts_per_group",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "group_skew": "group_skew",
+    },
+    "multi-turn": {
+        "sessions": "sessions",
+        "turns": "turns",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "answer_len",
+        "think_time": "think_time_s",
+    },
+    "long-doc": {
+        "documents": "documents",
+        "document_len": "document_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
+    "conversation": {
+        "applications": "applications",
+        "application_skew": "application_skew",
+        "system_prompt_len": "system_prompt_len",
+        "max_turns": "max_turns",
+        "turns_exponent": "turns_exponent",
+        "question_len": "user_len",
+        "output_len": "answer_len",
+        "think_time": "think_time_s",
+        "think_scale": "think_scale",
+        "one_off_share": "one_off_share",
+        "one_off_len": "one_off_len",
+    },
+    "multi-tenant": {
+        "tenants": "tenants",
+        "prefixes": "prefixes",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+        "burst_rate": "burst_rate",
+        "burst_start": "burst_start",
+        "burst_end": "burst_end",
+    },
+}
+# Spec fields for which 0 is a meaningful value (no pause, uniform popularity, no one-offs).
+ZERO_ALLOWED = (
+    "think_time_s",
+    "group_skew",
+    "application_skew",
+    "turns_exponent",
+    "think_scale",
+    "one_off_share",
+    "burst_start",
+)
+WorkloadSpec = (
+    workloads.SharedPrefixSpec
+    | workloads.MultiTurnSpec
+    | workloads.LongDocSpec
+    | workloads.ConversationSpec
+    | workloads.MultiTenantSpec
+)
+# Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
+# to hold every shared prefix on every pod, so where a request goes decides whether it hits.
+DEFAULT_SPECS: dict[str, WorkloadSpec] = {
+    "shared-prefix": workloads.SharedPrefixSpec(
+        groups=32, prompts_per_group=16, system_prompt_len=2048, question_len=128, output_len=32
+    ),
+    "multi-turn": workloads.MultiTurnSpec(
+        turns=6, system_prompt_len=256, question_len=128, answer_len=128, think_time_s=1.0
+    ),
+    "long-doc": workloads.LongDocSpec(documents=16, document_len=6000, question_len=64, output_len=32),
+    # Published shapes (see ConversationSpec), pauses and one-offs scaled so that at 10 req/s one
+    # pod's cache cannot hold the live conversations while the 4 pods' caches together can.
+    "conversation": workloads.ConversationSpec(),
+    # Two quiet tenants, a critical one and a noisy one bursting at 12 req/s for 60% of the run:
+    # sized for `--pods 2 --max-num-seqs 4 --time-scale 0.25`, where the pool serves about 3.7 req/s
+    # (the steady tenants use 40% of it, the burst 3x). Give `--max-concurrency` room for the
+    # burst's backlog (e.g. 2000): at the cap the client itself queues every tenant's requests.
+    "multi-tenant": workloads.MultiTenantSpec(),
+}
+# 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
+GENERATED_NUM_GPU_BLOCKS = 2048
+DEFAULT_DURATION_S = 60.0
+DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0, "multi-tenant": 1.2}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="picker bench",
+        description="Run the same open-loop workload through each system in front of a cold `picker sim` "
+        "fleet and compare TTFT, latency, throughput, prefix hit ratio and load spread.",
+    )
+    p.add_argument(
+        "--systems",
+        help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
+        "picker, picker:LABEL, external:URL; picker[:LABEL]@N runs N picker replicas behind one Envoy "
+        "(LEAST_REQUEST over them), picker[:LABEL]@N+store makes them share state through a redis-server "
+        "(--state-store), e.g. picker:best@3,picker:best@3+store",
+    )
+    p.add_argument(
+        "--bounds-only",
+        action="store_true",
+        help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
+        "hit ratio, the LRU fleet reference, TTFT floor) and exit without starting anything",
+    )
+    p.add_argument("--workload", required=True, help=f"{' | '.join(WORKLOADS)} | PATH to a Mooncake JSONL trace")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
+    p.add_argument(
+        "--duration", type=float, help="seconds of arrivals per system (default 60; a trace plays to its end)"
+    )
+    p.add_argument("--rate", type=float, help="mean requests/s, Poisson (default depends on the workload)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--speed", type=float, default=1.0, help="trace replay speed factor (default 1)")
+    p.add_argument(
+        "--picker-config",
+        action="append",
+        default=[],
+        metavar="[LABEL=]FILE",
+        help="EndpointPickerConfig for system picker:LABEL (or plain picker); repeatable",
+    )
+    p.add_argument("--max-concurrency", type=int, default=256, help="client concurrency cap (default 256)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds after the last arrival before unfinished requests are cut (default 60)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    sim = p.add_argument_group("simulated fleet (the same for every system)")
+    sim.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
+    sim.add_argument("--model", default="sim-model")
+    sim.add_argument("--profile", default="llama3-8b-h100", help="sim timing profile")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="sim runs this many times faster")
+    sim.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help=f"KV blocks per pod (default {GENERATED_NUM_GPU_BLOCKS} for generated workloads, "
+        "the profile's own for traces)",
+    )
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--max-num-seqs", type=int, default=16, help="running requests per pod (default 16)")
+    sim.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step")
+    sim.add_argument(
+        "--sim-base-port", type=int, default=0, help="pod i on this port+i (default: free ports); for external gateways"
+    )
+    spec = p.add_argument_group("workload shape (defaults sized for a 2-core machine)")
+    for flag, kind in (
+        ("--groups", int),
+        ("--prompts-per-group", int),
+        ("--system-prompt-len", int),
+        ("--question-len", int),
+        ("--output-len", int),
+        ("--sessions", int),
+        ("--turns", int),
+        ("--think-time", float),
+        ("--documents", int),
+        ("--document-len", int),
+        ("--group-skew", float),
+        ("--applications", int),
+        ("--application-skew", float),
+        ("--max-turns", int),
+        ("--turns-exponent", float),
+        ("--think-scale", float),
+        ("--one-off-share", float),
+        ("--one-off-len", int),
+        ("--tenants", int),
+        ("--prefixes", int),
+        ("--burst-rate", float),
+        ("--burst-start", float),
+        ("--burst-end", float),
+    ):
+        spec.add_argument(flag, type=kind)
+    spec.add_argument(
+        "--session-keys",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each conversation's session key as `prompt_cache_key` (default: on)",
+    )
+    return p
+
+
+def parse_picker_configs(values: list[str]) -> dict[str, Path]:
+    """`LABEL=FILE` or `FILE` (label "") pairs; ValueError if a file is missing."""
+    configs: dict[str, Path] = {}
+    for value in values:
+        label, sep, path = value.partition("=")
+        if not sep:
+            label, path = "", value
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"--picker-config {value}: no such file")
+        configs[label] = file.resolve()
+    return configs
+
+
+def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: int) -> list[workloads.Session]:
+    """The sessions of a generated workload; the spec's type names the workload."""
+    if isinstance(spec, workloads.SharedPrefixSpec):
+        return workloads.shared_prefix(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.MultiTurnSpec):
+        return workloads.multi_turn(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.ConversationSpec):
+        return workloads.conversation(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.MultiTenantSpec):
+        return workloads.multi_tenant(spec, rate, duration_s, seed)
+    return workloads.long_doc(spec, rate, duration_s, seed)
+
+
+def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Session], dict[str, object]]:
+    """The workload's name, its sessions and its settings (for results.json), from the flags."""
+    if args.duration is not None and args.duration <= 0:
+        raise ValueError("--duration must be positive")
+    if args.workload in WORKLOADS:
+        duration = args.duration or DEFAULT_DURATION_S
+        spec = DEFAULT_SPECS[args.workload]
+        overrides = {
+            field: getattr(args, dest)
+            for dest, field in SPEC_FLAGS[args.workload].items()
+            if getattr(args, dest) is not None
+        }
+        for field, value in overrides.items():
+            if value < 0 or (value == 0 and field not in ZERO_ALLOWED):
+                raise ValueError(f"--{field.replace('_', '-')} must be positive")
+        spec = dataclasses.replace(spec, **overrides)
+        rate = args.rate or DEFAULT_RATES[args.workload]
+        settings = {"rate": rate, "duration_s": duration, "seed": args.seed, **dataclasses.asdict(spec)}
+        if isinstance(spec, workloads.MultiTenantSpec):
+            settings["objectives"] = workloads.TENANT_OBJECTIVES
+        return args.workload, generate_sessions(spec, rate, duration, args.seed), settings
+    path = Path(args.workload)
+    if not path.is_file():
+        raise ValueError(f"--workload {args.workload!r}: not one of {', '.join(WORKLOADS)} and not a trace file")
+    records = workloads.read_trace(path)
+    settings = {"trace": str(path), "speed": args.speed, "duration_s": args.duration, "seed": args.seed}
+    sessions = workloads.trace_replay(records, args.speed, args.duration or math.inf, args.seed)
+    return f"trace {path.name} x{args.speed:g}", sessions, settings
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    """Validate everything up front so a bad flag fails before any process starts."""
+    if args.pods < 1:
+        raise ValueError("--pods must be at least 1")
+    if args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks < 1:
+        raise ValueError("--num-gpu-blocks must be positive")
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be positive")
+    if args.rate is not None and args.rate <= 0:
+        raise ValueError("--rate must be positive")
+    if not args.systems and not args.bounds_only:
+        raise ValueError("--systems is required (or --bounds-only)")
+    systems = parse_systems(args.systems.split(","), parse_picker_configs(args.picker_config)) if args.systems else []
+    workload, sessions, settings = build_sessions(args)
+    if not sessions:
+        raise ValueError("the workload has no requests within --duration")
+    if not args.session_keys:
+        sessions = workloads.without_session_keys(sessions)
+    settings["session_keys"] = args.session_keys
+    fleet = FleetOptions(
+        pods=args.pods,
+        model=args.model,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        num_gpu_blocks=args.num_gpu_blocks or (GENERATED_NUM_GPU_BLOCKS if args.workload in WORKLOADS else None),
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        base_port=args.sim_base_port,
+    )
+    return BenchPlan(
+        tuple(systems),
+        workload,
+        tuple(sessions),
+        fleet,
+        args.out,
+        args.max_concurrency,
+        args.drain_timeout,
+        plots=not args.no_plots,
+        settings=tuple(settings.items()),
+        objectives=tuple(workloads.TENANT_OBJECTIVES.items()) if "objectives" in settings else (),
+    )
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, through every `finally` that stops children
+
+
+def execute(plan: BenchPlan) -> int:
+    """Run a validated plan and print the table; 130 on Ctrl-C, 1 if a system failed."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        report = run(plan)
+    except KeyboardInterrupt:
+        print("\npicker bench: interrupted; every started process was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print()
+    print(reports.terminal_table(report))
+    for line in reports.attribution_lines(report):
+        print(line)
+    print(f"\nresults: {plan.out_dir / 'results.json'}  report: {plan.out_dir / 'report.md'}")
+    if report.plots:
+        print("plots:   " + "  ".join(str(plan.out_dir / name) for name in report.plots.values()))
+    return 1 if report.failures else 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `picker bench`."""
+    args = build_parser().parse_args(argv)
+    try:
+        plan = plan_from_args(args)
+    except ValueError as e:
+        print(f"picker bench: {e}", file=sys.stderr)
+        return 2
+    if args.bounds_only:
+        bounds = bounds_of(plan.sessions, plan.fleet)
+        print(f"{plan.workload}: {sum(len(s.turns) for s in plan.sessions)} requests on {plan.fleet.pods} pods")
+        print(
+            f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
+            f"LRU fleet {bounds.lru_hit_ratio:.1%}, "
+            f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+        )
+        return 0
+    return execute(plan)

@@ -1,0 +1,204 @@
+"""One bench run: for each system, a cold fleet, the system, the same load, then tear-down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from picker_bench import progress as live
+from picker_bench import report as reports
+from picker_bench.attribution import attribute
+from picker_bench.bound import PrefixBound, PromptBlocks, prefill_floor_s
+from picker_bench.loadgen import LoadOptions, Progress, RequestResult, run_load
+from picker_bench.report import BenchReport
+from picker_bench.stats import SystemResult, percentile, summarize
+from picker_bench.systems import (
+    FleetOptions,
+    Launcher,
+    SystemSpec,
+    start_fleet,
+    start_system,
+)
+from picker_bench.workloads import Prompt, Session
+from picker_sim.engine import answer_ids
+from picker_sim.profiles import get_profile
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    """What to run: systems, one workload (already generated), the fleet and the client."""
+
+    systems: tuple[SystemSpec, ...]
+    workload: str
+    sessions: tuple[Session, ...]
+    fleet: FleetOptions
+    out_dir: Path
+    max_concurrency: int = 256
+    drain_timeout_s: float = 60.0
+    plots: bool = True
+    settings: tuple[tuple[str, object], ...] = ()  # workload knobs, recorded in results.json
+    objectives: tuple[tuple[str, int], ...] = ()  # the workload's InferenceObjectives: name, priority
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadBounds:
+    """What no router can beat on a workload and fleet (`picker_bench.bound`)."""
+
+    hit_ratio: float
+    fleet_hit_ratio: float  # with the fleet's KV capacity and optimal eviction
+    lru_hit_ratio: float  # with the fleet's KV capacity as one LRU cache (a reference, not a bound)
+    ttft_floor_s: dict[str, float | None]  # p50/p90/p99 of the infinite-cache, idle-engine TTFT
+    longest_tokens: int  # the longest prompt plus its output: the fleet's minimum max_model_len
+
+
+def prompt_blocks(sessions: Sequence[Session], block_size: int) -> list[list[PromptBlocks]]:
+    """Every prompt cut into the fleet's blocks, with the simulator's answer, indexed
+    [session][turn] like the request records."""
+    return [[_blocks(prompt, block_size) for prompt in session.turns] for session in sessions]
+
+
+def _blocks(prompt: Prompt, block_size: int) -> PromptBlocks:
+    ids = prompt.token_ids()
+    return PromptBlocks.of(ids, block_size, answer_ids(ids, prompt.max_tokens))
+
+
+def arrival_order(sessions: Sequence[Session]) -> list[tuple[int, int]]:
+    """(session, turn) of every prompt in the order they are expected to arrive: a later turn at
+    its session's start plus the think times before it, as if every answer were instant."""
+    due = []
+    for index, session in enumerate(sessions):
+        at = session.start_s
+        for turn in range(len(session.turns)):
+            due.append((at, index, turn))
+            if turn < len(session.think_s):
+                at += session.think_s[turn]
+    return [(index, turn) for _, index, turn in sorted(due)]
+
+
+def pod_blocks(fleet: FleetOptions) -> int:
+    """KV blocks per pod: the fleet's setting or its profile's."""
+    return fleet.num_gpu_blocks or get_profile(fleet.profile).num_gpu_blocks
+
+
+def bounds_of(
+    sessions: Sequence[Session], fleet: FleetOptions, blocks: Sequence[Sequence[PromptBlocks]] | None = None
+) -> WorkloadBounds:
+    """The infinite- and fleet-cache hit ratios, the LRU fleet figure and the TTFT floor of
+    `sessions` on `fleet`, the prompts taken in arrival order; `blocks` (`prompt_blocks` of the
+    same sessions at the fleet's block size) saves cutting the prompts again."""
+    if blocks is None:
+        blocks = prompt_blocks(sessions, fleet.block_size)
+    bound = PrefixBound(fleet.block_size)
+    profile = get_profile(fleet.profile)
+    budget = fleet.max_num_batched_tokens or profile.max_num_batched_tokens
+    longest = 0
+    floors = []
+    for index, turn in arrival_order(sessions):
+        prompt = blocks[index][turn]
+        hit = bound.add_blocks(prompt)
+        floors.append(prefill_floor_s(prompt.tokens - hit, profile, fleet.time_scale, budget))
+        longest = max(longest, prompt.tokens + sessions[index].turns[turn].max_tokens)
+    floor = {f"p{q}": percentile(floors, q) for q in (50, 90, 99)}
+    capacity = fleet.pods * pod_blocks(fleet)
+    return WorkloadBounds(bound.ratio, bound.fleet_ratio(capacity), bound.lru_ratio(capacity), floor, longest)
+
+
+def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
+    """Measure every system in turn; always stops every process it started."""
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    pids = plan.out_dir / "pids"
+    pids.write_text("")
+    logs = plan.out_dir / "logs"
+    shutil.rmtree(logs, ignore_errors=True)  # readiness is read from the logs: never from an earlier run's
+    launcher = Launcher(logs, pids)
+    objectives = None
+    if plan.objectives:
+        logs.mkdir(parents=True)
+        objectives = logs / "objectives.yaml"
+        objectives.write_text(yaml.safe_dump(dict(plan.objectives)))
+    blocks = prompt_blocks(plan.sessions, plan.fleet.block_size)
+    bounds = bounds_of(plan.sessions, plan.fleet, blocks)
+    fleet = plan.fleet
+    if bounds.longest_tokens > fleet.max_model_len:
+        fleet = replace(fleet, max_model_len=bounds.longest_tokens)
+    requests = sum(len(s.turns) for s in plan.sessions)
+    report = BenchReport(
+        plan.workload,
+        bounds.hit_ratio,
+        {
+            "fleet": asdict(fleet),
+            "sessions": len(plan.sessions),
+            "requests": requests,
+            "max_concurrency": plan.max_concurrency,
+            "python": sys.version.split()[0],
+            **dict(plan.settings),
+        },
+        fleet_bound_hit_ratio=bounds.fleet_hit_ratio,
+        lru_bound_hit_ratio=bounds.lru_hit_ratio,
+        ttft_floor_s=bounds.ttft_floor_s,
+    )
+    log(
+        f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
+        f"infinite-cache bound {bounds.hit_ratio * 100:.1f}%, fleet-cache bound {bounds.fleet_hit_ratio * 100:.1f}%, "
+        f"LRU fleet {bounds.lru_hit_ratio * 100:.1f}%, TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+    )
+    try:
+        for index, spec in enumerate(plan.systems):
+            tag = f"{index}-{spec.kind}"
+            try:
+                report.systems[spec.name] = _measure(spec, plan, fleet, launcher, tag, requests, blocks, objectives)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                report.failures[spec.name] = str(e)
+                log(f"{spec.name}: could not be measured: {e}")
+            finally:
+                launcher.stop()
+            reports.write(report, plan.out_dir, with_plots=False)  # partial results survive a later failure
+    finally:
+        launcher.stop()
+    reports.write(report, plan.out_dir, with_plots=plan.plots)
+    return report
+
+
+def _measure(
+    spec: SystemSpec,
+    plan: BenchPlan,
+    fleet: FleetOptions,
+    launcher: Launcher,
+    tag: str,
+    requests: int,
+    blocks: Sequence[Sequence[PromptBlocks]],
+    objectives: Path | None,
+) -> SystemResult:
+    """One system: a cold fleet, the system in front of it, the whole workload, the numbers and
+    where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
+    _, pods = start_fleet(fleet, launcher, tag)
+    gateway = start_system(spec, pods, launcher, tag, objectives)
+    options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
+    counters = Progress(requests)
+
+    async def measured() -> list[RequestResult]:
+        display = asyncio.create_task(live.show(spec.name, counters))
+        try:
+            return await run_load(plan.sessions, options, counters)
+        finally:
+            display.cancel()
+            await asyncio.gather(display, return_exceptions=True)
+
+    results = asyncio.run(measured())
+    _write_requests(results, plan.out_dir / "requests" / f"{spec.name.replace(':', '-')}.jsonl")
+    attribution = attribute(results, blocks, fleet.block_size, pod_blocks(fleet))
+    return replace(summarize(results, fleet.pods, gateway.decision_time()), attribution=attribution)
+
+
+def _write_requests(results: Sequence[RequestResult], path: Path) -> None:
+    """One JSON line per request (session, turn, pod, TTFT, cached tokens...), for analysis beyond
+    the summary: which pod served which prompt, and what it found cached."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))

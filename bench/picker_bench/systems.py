@@ -1,0 +1,333 @@
+"""Systems under test and the simulated fleet behind them: parsed by name, started, stopped.
+
+Every process is started through `Launcher`, which writes its PID to `DIR/pids` the moment it
+exists and stops everything it started, newest first, however the run ends.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import sys
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
+from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.stats import DecisionTime, histogram_decision_time
+
+HOST = "127.0.0.1"
+DECISION_METRIC = "inference_extension_scheduler_e2e_duration_seconds"
+ROUTER_POLICIES = {
+    "sglang-cache-aware": ("sglang", "cache_aware"),
+    "sglang-round-robin": ("sglang", "round_robin"),
+    "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
+}
+KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, "external")
+# picker[:LABEL]@N[+store]: N replicas behind one Envoy, sharing state through a redis-server
+REPLICAS = re.compile(r"@(?P<replicas>\d+)(?P<store>\+store)?$")
+MAX_REPLICAS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSpec:
+    """One system to measure, as named on the command line."""
+
+    name: str  # e.g. "round-robin", "picker:approx", "external:http://10.0.0.1:8080"
+    kind: str
+    config_file: Path | None = None  # picker systems
+    url: str | None = None  # external systems
+    replicas: int = 1  # picker systems: picker processes behind one Envoy
+    shared_state: bool = False  # picker systems: the replicas share state through a redis-server
+
+
+def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list[SystemSpec]:
+    """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file."""
+    specs: list[SystemSpec] = []
+    for raw in names:
+        name = raw.strip()
+        replicated = REPLICAS.search(name)
+        kind, _, arg = name[: replicated.start() if replicated else None].partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown system {name!r}; known: {', '.join(KINDS)} (picker:LABEL, external:URL)")
+        if kind == "external":
+            if not arg.startswith(("http://", "https://")):
+                raise ValueError(f"{name!r}: external systems need a URL, e.g. external:http://127.0.0.1:8080")
+            specs.append(SystemSpec(name, kind, url=arg.rstrip("/")))
+        elif kind == "picker":
+            if arg and arg not in picker_configs:
+                raise ValueError(f"{name!r}: no --picker-config {arg}=FILE given")
+            replicas = int(replicated["replicas"]) if replicated else 1
+            if not 1 <= replicas <= MAX_REPLICAS:
+                raise ValueError(f"{name!r}: replicas must be 1 to {MAX_REPLICAS}")
+            shared = bool(replicated and replicated["store"])
+            specs.append(SystemSpec(name, kind, picker_configs.get(arg), replicas=replicas, shared_state=shared))
+        elif replicated:
+            raise ValueError(f"{name!r}: only picker systems take @N replicas")
+        elif arg:
+            raise ValueError(f"{name!r}: only picker:LABEL and external:URL take an argument")
+        else:
+            specs.append(SystemSpec(name, kind))
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError("a system is named twice")
+    if not specs:
+        raise ValueError("no systems given")
+    return specs
+
+
+class Launcher:
+    """Starts processes, records their PIDs in `pids_path`, and stops them all (newest first)."""
+
+    def __init__(self, log_dir: Path, pids_path: Path) -> None:
+        self.log_dir = log_dir
+        self.pids_path = pids_path
+        self.running: list[ManagedProcess] = []
+
+    def start(self, process: ManagedProcess) -> ManagedProcess:
+        """Start `process` and record its PID before anything else can fail."""
+        self.running.append(process)
+        process.start()
+        with self.pids_path.open("a") as f:
+            f.write(f"{process.pid} {process.name}\n")
+        return process
+
+    def stop(self) -> None:
+        """Stop every process still running, newest first.
+
+        Ctrl-C and SIGTERM are held back meanwhile (and delivered after), so a second Ctrl-C
+        cannot leave a child running.
+        """
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            while self.running:
+                self.running.pop().stop()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    """`picker sim` sizing, the same for every system."""
+
+    pods: int
+    model: str = "sim-model"
+    profile: str = "llama3-8b-h100"
+    time_scale: float = 1.0
+    num_gpu_blocks: int | None = None  # None = the profile's own size
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 32768
+    base_port: int = 0  # 0 = free ports; fixed ports let an external gateway point at the fleet
+
+    def argv(self) -> list[str]:
+        """The `picker sim` command line."""
+        argv = [
+            sys.executable,
+            "-m",
+            "picker.cli",
+            "sim",
+            "--pods",
+            str(self.pods),
+            "--host",
+            HOST,
+            "--base-port",
+            str(self.base_port),
+            "--model",
+            self.model,
+            "--profile",
+            self.profile,
+            "--time-scale",
+            str(self.time_scale),
+            "--block-size",
+            str(self.block_size),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tokenizer",
+            "builtin",
+            "--kv-events-base-port",
+            "0",  # every system gets the same fleet; only the precise scorer listens
+        ]
+        if self.num_gpu_blocks:
+            argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
+        if self.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return argv
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPod:
+    """One started `picker sim` pod, as its ready line names it."""
+
+    name: str
+    address: str  # ip:port
+    kv_events_address: str | None = None  # tcp://ip:port of its KV-event publisher
+
+    @classmethod
+    def parse(cls, line: str) -> FleetPod:
+        """`pod <name> http://<ip>:<port>[ kv-events tcp://...][ replay tcp://...]`."""
+        words = line.split()
+        if len(words) < 3 or words[0] != "pod" or len(words) % 2 == 0:
+            raise RuntimeError(f"picker sim printed an unexpected pod line: {line!r}")
+        extras = dict(zip(words[3::2], words[4::2]))
+        return cls(words[1], words[2].removeprefix("http://"), extras.get("kv-events"))
+
+
+def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[ManagedProcess, list[FleetPod]]:
+    """Start a cold `picker sim` fleet; return it and its pods."""
+    sim = launcher.start(ManagedProcess(f"sim-{tag}", options.argv(), launcher.log_dir))
+    sim.wait_ready(lambda: "ready" in _lines(sim.log_path), timeout=60)
+    pods = [FleetPod.parse(line) for line in _lines(sim.log_path) if line.startswith("pod ")]
+    if len(pods) != options.pods:
+        raise RuntimeError(f"picker sim reported {len(pods)} pods, expected {options.pods}")
+    return sim, pods
+
+
+def write_endpoints_file(pods: Sequence[FleetPod], path: Path) -> Path:
+    """The `picker serve --endpoints-file` list for `pods`, with each pod's KV-event publisher."""
+    entries = []
+    for pod in pods:
+        entry = {"address": pod.address, "name": pod.name}
+        if pod.kv_events_address:
+            entry["kvEventsAddress"] = pod.kv_events_address
+        entries.append(entry)
+    path.write_text(yaml.safe_dump(entries, sort_keys=False))
+    return path
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            status: int = r.status
+            return status == 200
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """A started system: where clients send, and where its pickers' metrics are (if any)."""
+
+    url: str
+    metrics_urls: tuple[str, ...] = ()
+
+    def decision_time(self) -> DecisionTime | None:
+        """The pickers' scheduling-time histogram (every replica's summed), if this system has one."""
+        pages = []
+        try:
+            for url in self.metrics_urls:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    pages.append(r.read().decode())
+        except OSError:
+            return None
+        return histogram_decision_time("\n".join(pages), DECISION_METRIC) if pages else None
+
+
+def start_system(
+    spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str, objectives: Path | None = None
+) -> Gateway:
+    """Start `spec` in front of `pods` and wait until it accepts requests; a picker reads the
+    workload's InferenceObjectives (priorities) from `objectives`."""
+    log_dir = launcher.log_dir
+    backends = [pod.address for pod in pods]
+    admin = (HOST, free_port())
+    listen = (HOST, free_port())
+    if spec.kind in ("round-robin", "least-request"):
+        envoy = EnvoyProcess(f"envoy-{tag}", baseline_config(spec.kind, listen, backends, admin), log_dir)
+        launcher.start(envoy)
+        envoy.wait_ready(envoy.ready)
+        return Gateway(envoy.url)
+    if spec.kind == "picker":
+        argv = ["--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml"))]
+        if spec.config_file:
+            argv += ["--config-file", str(spec.config_file)]
+        if objectives:
+            argv += ["--objectives-file", str(objectives)]
+        if spec.shared_state:
+            argv += ["--state-store", start_redis(launcher, tag)]
+        replicated = spec.replicas > 1 or spec.shared_state
+        if replicated:
+            argv.append("--health-checking")  # Envoy's health check tells live replicas from dead ones
+        names = [f"picker-{tag}-{n}" for n in range(spec.replicas)] if replicated else [f"picker-{tag}"]
+        started = [start_picker(launcher, name, argv) for name in names]
+        pickers = [(HOST, grpc) for grpc, _ in started]
+        if replicated:
+            config = replicated_picker_config("duplex", listen, pickers, admin, tls=False)
+        else:
+            config = picker_config("duplex", listen, pickers[0], admin, tls=False)
+        envoy = EnvoyProcess(f"envoy-{tag}", config, log_dir)
+        launcher.start(envoy)
+        envoy.wait_ready(envoy.ready)
+        return Gateway(envoy.url, tuple(url for _, url in started))
+    if spec.kind in ROUTER_POLICIES:
+        router, policy = ROUTER_POLICIES[spec.kind]
+        port, prometheus = listen[1], free_port()
+        urls = [f"http://{b}" for b in backends]
+        if router == "sglang":
+            argv = [sys.executable, "-m", "sglang_router.launch_router"]
+        else:
+            argv = [str(Path(sys.executable).parent / "vllm-router")]
+        argv += [
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(prometheus),
+        ]
+        process = launcher.start(ManagedProcess(f"{router}-{tag}", argv, log_dir))
+        url = f"http://{HOST}:{port}"
+        process.wait_ready(lambda: _http_ok(url + "/v1/models") or _http_ok(url + "/health"), timeout=90)
+        return Gateway(url)
+    assert spec.kind == "external" and spec.url
+    return Gateway(spec.url)
+
+
+def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[int, str]:
+    """One `picker serve` with `flags` on free ports, started and ready: its ext_proc port and
+    its metrics URL."""
+    grpc, health, metrics = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-m", "picker.cli", "serve", *flags, "--bind-address", HOST]
+    argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    picker = launcher.start(ManagedProcess(name, [*argv, "--secure-serving=false"], launcher.log_dir))
+    metrics_url = f"http://{HOST}:{metrics}/metrics"
+    picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
+    return grpc, metrics_url
+
+
+def start_redis(launcher: Launcher, tag: str) -> str:
+    """A fresh redis-server for one system's replicas (nothing persisted); its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server not found: run tools/install-test-binaries.sh (Debian redis-server)")
+    port = free_port()
+    redis = launcher.start(ManagedProcess(f"redis-{tag}", redis_argv(binary, port, launcher.log_dir), launcher.log_dir))
+    redis.wait_ready(lambda: port_open(HOST, port), timeout=20)
+    return f"redis://{HOST}:{port}/0"
+
+
+def redis_argv(binary: str, port: int, data_dir: Path, name: str = "redis", password: str | None = None) -> list[str]:
+    """A redis-server on HOST:`port` that persists nothing (its files, if any, in `data_dir`)."""
+    argv = [binary, "--bind", HOST, "--port", str(port), "--save", "", "--appendonly", "no"]
+    argv += ["--dir", str(data_dir), "--dbfilename", f"{name}.rdb"]
+    return [*argv, "--requirepass", password] if password else argv
