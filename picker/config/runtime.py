@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
@@ -52,7 +52,7 @@ from picker.framework.plugin import (
     Scorer,
 )
 from picker.framework.request import InferenceRequest
-from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
+from picker.scheduling.scheduler import PluginTimer, Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import CONFIG_INFO, CONFIG_LAST_RELOAD, CONFIG_RELOADS
 
@@ -77,15 +77,18 @@ class ConfigSource:
     loaded_at: float
 
 
+P = TypeVar("P", bound=Plugin)
+
+
 @dataclass(frozen=True, slots=True)
-class Step:
+class Step(Generic[P]):
     """A plugin at one extension point, with its timer for the plugin-duration histogram."""
 
-    plugin: Any
-    timer: Any  # its scheduling.scheduler.PluginTimer (histogram child, span when traced)
+    plugin: P
+    timer: PluginTimer
 
 
-def _steps(plugins: Sequence[Plugin], extension_point: str) -> tuple[Step, ...]:
+def _steps(plugins: Sequence[P], extension_point: str) -> tuple[Step[P], ...]:
     return tuple(Step(p, plugin_timer(extension_point, p)) for p in plugins)
 
 
@@ -146,7 +149,7 @@ class Runtime:
                 for s in config.data_layer.sources
             )
         everything = list(plugins.values())
-        self.producers = _steps(producers, "PrepareData")
+        self.producers: tuple[Step[DataProducer], ...] = _steps(producers, "PrepareData")
         self.async_producers = tuple(
             s for s in self.producers if type(s.plugin).prepare_async is not DataProducer.prepare_async
         )
@@ -171,7 +174,7 @@ class Runtime:
         return self.objectives.get(request.objective) or 0
 
 
-def _plugin(plugins: Mapping[str, Plugin], name: str, kind: type[Any]) -> Any:
+def _plugin(plugins: Mapping[str, Plugin], name: str, kind: type[P]) -> P:
     plugin = plugins[name]
     assert isinstance(plugin, kind)  # the loader checked every reference's type
     return plugin
