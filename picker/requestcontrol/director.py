@@ -449,10 +449,11 @@ class Director:
         # V(4): one line per routed request; below it nothing is measured for the line.
         log_request = log.isEnabledFor(logging.DEBUG)
         started = perf_counter() if log_request else 0.0
-        runtime = self.runtimes.current
+        runtime, objectives = self.runtimes.current, self.runtimes.objectives
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
+        priority = objectives.priority(request)
         if trace is not None:
-            trace.parsed(request, runtime.priority(request))
+            trace.parsed(request, priority)
         # -- flow control (the `flowControl` gate): hold the request until the pool has room;
         # it is scheduled after dispatch, on that moment's endpoints and metrics (late binding).
         flow_control = runtime.flow_control
@@ -466,7 +467,6 @@ class Director:
                 await self._prepare_async(runtime, request, candidates, cycle_state)
                 prepared_async = True
             affinity = self._affinity_lookup(runtime, request, subset, cycle_state)
-            priority = runtime.priority(request)
             async with self.flow_control.dispatched(flow_control, request, priority, affinity) as waited:
                 # Nothing awaited since the candidates were read (no preparation off the loop, no
                 # wait in the queue): they are the pool as it is now, so scheduling reuses them.
@@ -474,6 +474,7 @@ class Director:
                 return await self._schedule(
                     runtime,
                     request,
+                    priority,
                     body,
                     subset,
                     started,
@@ -483,7 +484,7 @@ class Director:
                     current,
                 )
         # -- end of flow control
-        return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+        return await self._schedule(runtime, request, priority, body, subset, started, log_request, trace)
 
     def _candidates_or_none(self, subset: Sequence[str] | None) -> list[EndpointState] | None:
         try:
@@ -509,6 +510,7 @@ class Director:
         self,
         runtime: Runtime,
         request: InferenceRequest,
+        priority: int,
         body: bytes,
         subset: Sequence[str] | None,
         started: float,
@@ -517,19 +519,19 @@ class Director:
         prepared: CycleState | None = None,
         candidates: list[EndpointState] | None = None,
     ) -> RoutedRequest:
-        """Admit, prepare, schedule and count a parsed request (`prepared`: its CycleState after
+        """Admit, prepare, schedule and count a parsed request of InferenceObjective `priority`
+        (`prepared`: its CycleState after
         the async preparation, done before it waited in flow control; `candidates`: the
         endpoints as they are now, when already read)."""
         if candidates is None:
             candidates = self.candidates(subset)
-        self._admit(runtime, request, candidates)
+        self._admit(runtime, request, priority, candidates)
         timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
         cycle_state = prepared
         if cycle_state is None:
             cycle_state = CycleState()
             await self._prepare_async(runtime, request, candidates, cycle_state)
         prepare(runtime, request, candidates, cycle_state, timed)
-        priority = runtime.priority(request)
         if runtime.admitters:
             run_admitters(
                 runtime.admitters,
@@ -553,13 +555,15 @@ class Director:
             log.debug("request routed", extra=routed_fields(request, result, priority, perf_counter() - started))
         return RoutedRequest(self, request, targets, tokens, runtime, result, forwarded)
 
-    def _admit(self, runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+    def _admit(
+        self, runtime: Runtime, request: InferenceRequest, priority: int, candidates: Sequence[EndpointState]
+    ) -> None:
         """The reference's legacy admission: shed a sheddable request (priority < 0) with
         ResourceExhausted (429) when the candidates are saturated; others always pass. Under
         flow control nothing is shed here: the request waited for room."""
         if runtime.flow_control is not None:
             return
-        if runtime.priority(request) < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
+        if priority < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
             raise RequestError("ResourceExhausted", "the pool is saturated and the request is sheddable")
 
     async def _prepare_async(

@@ -195,11 +195,12 @@ async def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyP
     holder.set_objectives({"critical": 10, "batch": -1, "unset": None})
     runtime = holder.load_text(HEADER + "plugins: [{type: queue-scorer}, {type: test-recorder}]\n")
     director = Director(store, holder)
-    assert runtime.priority(request(objective="batch")) == -1
-    assert runtime.priority(request(objective="critical")) == 10
-    assert runtime.priority(request(objective="unset")) == 0
-    assert runtime.priority(request(objective="unknown")) == 0
-    assert runtime.priority(request()) == 0
+    objectives = holder.objectives
+    assert objectives.priority(request(objective="batch")) == -1
+    assert objectives.priority(request(objective="critical")) == 10
+    assert objectives.priority(request(objective="unset")) == 0
+    assert objectives.priority(request(objective="unknown")) == 0
+    assert objectives.priority(request()) == 0
     assert runtime.saturation_detector.saturation([state(1, waiting=5)]) == 1.0
     assert runtime.saturation_detector.saturation([state(1, waiting=1)]) == pytest.approx(0.2)
     saturated, stale, idle = state(1, waiting=5), state(1, age=None), state(1, waiting=1)
@@ -222,12 +223,17 @@ async def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyP
     assert Recorder.calls == [("pre", "10.0.0.1:8000"), ("done", "10.0.0.1:8000")]
 
 
-def test_holder_objectives_apply_to_the_current_runtime() -> None:
+def test_objectives_are_swapped_whole_and_survive_a_reload_without_touching_a_runtime() -> None:
     holder = RuntimeHolder()
+    runtime, before = holder.current, holder.objectives
     holder.set_objectives({"batch": -5})
-    assert holder.current.priority(request(objective="batch")) == -5
+    assert holder.objectives.priority(request(objective="batch")) == -5
+    assert before.priority(request(objective="batch")) == 0  # a request that read the old value keeps it
+    assert holder.current is runtime
     holder.load_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n")
-    assert holder.current.priority(request(objective="batch")) == -5  # survives a reload
+    assert holder.objectives.priority(request(objective="batch")) == -5  # survives a reload
+    with pytest.raises(AttributeError):
+        holder.current.parser = runtime.parser  # type: ignore[misc]  # a built runtime is immutable
 
 
 def test_decision_log_records_scores_and_is_bounded() -> None:
