@@ -515,6 +515,7 @@ class PickerServer:
         self.director = Director(
             self.datastore,
             self.runtimes,
+            staleness_threshold=args.metrics_staleness_threshold,
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
             tracer=self.tracing,
             pool_name=args.pool_name or "",
@@ -625,11 +626,8 @@ class PickerServer:
                 self.runtimes.set_objectives(parse_objectives(f.read()))
 
     async def _config_installed(self, runtime: Runtime) -> None:
-        """The data layer follows the installed config; stale metrics only exclude endpoints
-        while something scrapes them."""
+        """The data layer follows the installed config."""
         await self.data_layer.apply(scrape_settings(runtime.data_sources, self.scrape_defaults))
-        scraping = self.data_layer.collector is not None
-        self.director.staleness_threshold = self.args.metrics_staleness_threshold if scraping else None
 
     async def _start_health_server(self) -> None:
         """Health first, so liveness answers while the start waits (e.g. for its ConfigMap)."""

@@ -314,7 +314,8 @@ class Director:
 
     `tenant_header` names the request header that scopes prefix state by tenant;
     `staleness_threshold` the age after which an endpoint's scraped metrics count as stale
-    (None: never); `tracer` (`--tracing` with an exporter) traces sampled requests; `pool_name`
+    (None: never; while nothing scrapes, every endpoint's metrics soon are, and all stay
+    candidates); `tracer` (`--tracing` with an exporter) traces sampled requests; `pool_name`
     labels the flow-control metrics.
     """
 
@@ -330,7 +331,7 @@ class Director:
         self.datastore = datastore
         self.tracer = tracer
         self.runtimes = runtimes
-        self.staleness_threshold = staleness_threshold
+        self._staleness_threshold = staleness_threshold
         self.tenant_header = tenant_header
         self._series: dict[tuple[str, str], _ModelSeries] = {}
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
@@ -396,10 +397,10 @@ class Director:
         nothing is fresh (no scraping configured, or the whole pool unreachable) every
         candidate stays, so routing never stops for want of metrics.
         """
-        if self.staleness_threshold is None:
+        if self._staleness_threshold is None:
             return candidates
         now = time.monotonic()
-        fresh = [c for c in candidates if c.metrics_age(now) <= self.staleness_threshold]
+        fresh = [c for c in candidates if c.metrics_age(now) <= self._staleness_threshold]
         return fresh or candidates
 
     def route_without_body(self, subset: Sequence[str] | None) -> RoutedRequest:

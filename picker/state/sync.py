@@ -224,7 +224,7 @@ class StateSync:
         self._load_nonzero = False  # the last load sent was not zero: it is refreshed
         self._remote_loads: dict[str, _RemoteLoad] = {}  # per origin
         self._store_clock_offset: float | None = None  # the store's wall clock minus ours, seconds
-        datastore.in_flight_listener = self._in_flight_changed
+        datastore.add_in_flight_listener(self._in_flight_changed)
 
     # -- the request path ------------------------------------------------------------------
 
@@ -285,8 +285,7 @@ class StateSync:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
-        if self.datastore.in_flight_listener == self._in_flight_changed:
-            self.datastore.in_flight_listener = None
+        self.datastore.remove_in_flight_listener(self._in_flight_changed)
         await self._client.aclose()
 
     # -- background ------------------------------------------------------------------------
