@@ -520,6 +520,9 @@ class PickerServer:
             tracer=self.tracing,
             pool_name=args.pool_name or "",
         )
+        # Gauges read from objects built here are bound here, once.
+        pool_saturation = metrics.FLOW_POOL_SATURATION.labels(args.pool_name or "")
+        pool_saturation.set_function(self.director.flow_control.reported_saturation)
         self.config_watch: asyncio.Task[None] | None = None
         self.started = False  # Ready only once everything runs: the config loaded, the servers up
         self.config_map_loaded = False  # later ConfigMap changes reload; the first one is loaded at start
