@@ -19,9 +19,9 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-def completion(prompt: str, model: str = "m", **fields: Any) -> bytes:
-    """A /v1/completions body."""
-    return orjson.dumps({"model": model, "prompt": prompt, **fields})
+def completion(prompt: str | Sequence[int], model: str = "m", **fields: Any) -> bytes:
+    """A /v1/completions body (`prompt`: text or token ids)."""
+    return orjson.dumps({"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt), **fields})
 
 
 def chat(messages: Sequence[Mapping[str, str]], model: str = "m", **fields: Any) -> bytes:
@@ -60,10 +60,10 @@ class Router:
         all_headers = {":path": path, "x-request-id": request_id, **(headers or {})}
         return await self.director.route(body, all_headers, subset)
 
-    async def pick(self, body: bytes, **route: Any) -> SchedulingResult:
+    async def pick(self, body: bytes, request_id: str = "r1", **route: Any) -> SchedulingResult:
         """Route one request (`route`: `route`'s other arguments), end it at once (its response
         not seen) and return its scheduling result."""
-        routed = await self.route(body, **route)
+        routed = await self.route(body, request_id, **route)
         routed.finish()
         assert routed.result is not None
         return routed.result

@@ -75,15 +75,6 @@ def prepare(
     run_isolated(runtime.producers, lambda producer: producer.prepare(request, candidates, cycle_state), timed, request)
 
 
-def schedule(runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
-    """Prepare a new CycleState and schedule: the synchronous part of routing, for tools and
-    tests that route without the ext_proc stream (no admission, no async work, no hooks after)."""
-    timed = runtime.scheduler.next_cycle_timed()
-    cycle_state = CycleState()
-    prepare(runtime, request, candidates, cycle_state, timed)
-    return runtime.scheduler.schedule(request, candidates, cycle_state, timed)
-
-
 def routed_fields(request: InferenceRequest, result: SchedulingResult, priority: int, seconds: float) -> dict[str, Any]:
     """The V(4) line's fields: the request, the chosen endpoints, the primary profile's scores
     of the first (each scorer's raw score, and the weighted total) and the decision time

@@ -404,24 +404,20 @@ schedulingProfiles:
 """
 
 
-def test_configs_load_and_the_index_survives_a_reload() -> None:
-    from picker.config.runtime import RuntimeHolder
-    from picker.requestcontrol.director import schedule
+async def test_configs_load_and_the_index_survives_a_reload() -> None:
+    from tests.routing import Router, completion
 
-    store = _store()
-    holder = RuntimeHolder(store)
+    router = Router(_store())
+    holder = router.runtimes
     default = holder.current  # the reference default: prefix-cache-scorer auto-creates its producer
     assert any(isinstance(p, ApproxPrefixCacheProducer) for p in default.plugins.values())
     runtime = holder.load_text(CONFIG)
     producer = runtime.plugins["approx-prefix-cache-producer"]
     assert isinstance(producer, ApproxPrefixCacheProducer) and producer.config.max_load_factor == 1.5
-    request = _completion("cfg", PROMPT)
-    result = schedule(runtime, request, store.snapshot())
-    for step in runtime.pre_request:
-        step.plugin.pre_request(request, result)
+    result = await router.pick(completion(PROMPT), "cfg")  # its pre-request hook records the prompt
     assert result.cycle_state[PROMPT_BLOCKS_KEY].kind == TOKENS
-    reloaded = holder.load_text(CONFIG)
-    again = schedule(reloaded, _completion("cfg2", PROMPT), store.snapshot())
+    holder.load_text(CONFIG)
+    again = await router.pick(completion(PROMPT), "cfg2")
     assert again.targets[0].address == result.targets[0].address
     assert max(again.profile_results["default"].scores["prefix-cache-scorer"]) == 1.0
 
