@@ -574,7 +574,10 @@ class ProducerTtftModel:
         model = self._model
         if model is None:
             producers = self._handle.plugins().values()
-            model = self._model = next(p.ttft for p in producers if isinstance(p, ApproxPrefixCacheProducer))
+            producer = next((p for p in producers if isinstance(p, ApproxPrefixCacheProducer)), None)
+            if producer is None:  # the loader adds one to every config that consumes its data
+                raise LookupError("the TTFT model belongs to an approx-prefix-cache-producer: the config has none")
+            model = self._model = producer.ttft
         return model
 
 
