@@ -314,3 +314,20 @@ def test_a_scorer_returning_the_wrong_number_of_scores_is_named() -> None:
         scheduler(WeightedScorer(FixedScorer("short", [1.0]), 1.0)).schedule(
             request(), [state(1), state(2)], CycleState()
         )
+
+
+async def test_the_director_leaves_stale_endpoints_out_unless_none_is_fresh() -> None:
+    fresh, stale = "10.0.0.1:8000", "10.0.0.2:8000"
+    scraped = Router(staleness_threshold=60.0)
+    scraped.set_endpoints(
+        {
+            fresh: EndpointMetrics(waiting_queue_size=4, update_time=time.monotonic()),
+            stale: EndpointMetrics(update_time=1.0),
+        }
+    )
+    for i in range(3):  # the stale one's empty queue would win, and nothing is finished
+        assert (await scraped.route(completion("hi"), f"r{i}")).destination == fresh
+    unscraped = Router(staleness_threshold=60.0)  # nothing scrapes: no endpoint is fresh, all stay
+    unscraped.set_endpoints([fresh, stale])
+    picks = {(await unscraped.route(completion("hi"), f"r{i}")).destination for i in range(2)}
+    assert picks == {fresh, stale}  # spread by the picker's own in-flight counts
