@@ -515,10 +515,14 @@ class PickerServer:
         self.director = Director(
             self.datastore,
             self.runtimes,
+            staleness_threshold=args.metrics_staleness_threshold,
             tenant_header=args.tenant_header.lower() if args.tenant_header else None,
             tracer=self.tracing,
             pool_name=args.pool_name or "",
         )
+        # Gauges read from objects built here are bound here, once.
+        pool_saturation = metrics.FLOW_POOL_SATURATION.labels(args.pool_name or "")
+        pool_saturation.set_function(self.director.flow_control.reported_saturation)
         self.config_watch: asyncio.Task[None] | None = None
         self.started = False  # Ready only once everything runs: the config loaded, the servers up
         self.config_map_loaded = False  # later ConfigMap changes reload; the first one is loaded at start
@@ -625,11 +629,8 @@ class PickerServer:
                 self.runtimes.set_objectives(parse_objectives(f.read()))
 
     async def _config_installed(self, runtime: Runtime) -> None:
-        """The data layer follows the installed config; stale metrics only exclude endpoints
-        while something scrapes them."""
+        """The data layer follows the installed config."""
         await self.data_layer.apply(scrape_settings(runtime.data_sources, self.scrape_defaults))
-        scraping = self.data_layer.collector is not None
-        self.director.staleness_threshold = self.args.metrics_staleness_threshold if scraping else None
 
     async def _start_health_server(self) -> None:
         """Health first, so liveness answers while the start waits (e.g. for its ConfigMap)."""

@@ -1,4 +1,5 @@
-"""InferenceObjective priorities without Kubernetes: a file of objectives for `--objectives-file`.
+"""InferenceObjective priorities: the value the request path reads (`Objectives`), and without
+Kubernetes, a file of objectives for `--objectives-file`.
 
 The file holds InferenceObjective resources (as `kubectl apply` would take them, one or more
 YAML documents or a List) or a plain mapping `{name: priority}`.
@@ -6,13 +7,36 @@ YAML documents or a List) or a plain mapping `{name: priority}`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import yaml
 
 from picker.config.schema import ConfigError
+from picker.framework.request import InferenceRequest
 
 _KIND = "InferenceObjective"
+
+
+@dataclass(frozen=True, slots=True)
+class Objectives:
+    """The InferenceObjective priorities in force, `{name: priority}` (None: unset); a change is
+    a new value, swapped in whole (`RuntimeHolder.set_objectives`)."""
+
+    priorities: Mapping[str, int | None] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def of(cls, priorities: Mapping[str, int | None]) -> Objectives:
+        """Objectives holding a read-only copy of `priorities`."""
+        return cls(MappingProxyType(dict(priorities)))
+
+    def priority(self, request: InferenceRequest) -> int:
+        """The request's InferenceObjective priority; no objective, unknown or unset → 0."""
+        if request.objective is None:
+            return 0
+        return self.priorities.get(request.objective) or 0
 
 
 def _from_resource(item: Any, where: str) -> tuple[str, int | None]:

@@ -4,7 +4,9 @@ A `Runtime` is what one effective config turned into: its plugins sorted by the 
 implement, its scheduler and its data-layer settings. It runs nothing itself: the director
 (`picker.requestcontrol`) runs the hooks per request. The request path reads `holder.current`
 once per request and uses that runtime throughout, so a reload never mixes two configs within
-one request; swapping is one attribute assignment on the event loop, hence atomic.
+one request; swapping is one attribute assignment on the event loop, hence atomic. A runtime is
+immutable once built; the InferenceObjective priorities are a value of their own
+(`RuntimeHolder.objectives`), swapped the same way, that the request path reads beside it.
 
 A reload builds the new runtime completely (a failed build changes nothing), installs it, then
 starts its background work, stops the old runtime's and releases the persistent objects the new
@@ -25,13 +27,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
+from picker.config.objectives import Objectives
 from picker.config.schema import ConfigError, EndpointPickerConfig, ProfilePluginRef
 from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDataSource
 from picker.datastore.store import Datastore
+from picker.flowcontrol.settings import FlowControlSettings
 from picker.framework.handle import Handle, PersistentObjects
 from picker.framework.plugin import (
     Admitter,
@@ -51,8 +55,7 @@ from picker.framework.plugin import (
     SaturationDetector,
     Scorer,
 )
-from picker.framework.request import InferenceRequest
-from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
+from picker.scheduling.scheduler import PluginTimer, Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import CONFIG_INFO, CONFIG_LAST_RELOAD, CONFIG_RELOADS
 
@@ -77,20 +80,24 @@ class ConfigSource:
     loaded_at: float
 
 
+P = TypeVar("P", bound=Plugin)
+
+
 @dataclass(frozen=True, slots=True)
-class Step:
+class Step(Generic[P]):
     """A plugin at one extension point, with its timer for the plugin-duration histogram."""
 
-    plugin: Any
-    timer: Any  # its scheduling.scheduler.PluginTimer (histogram child, span when traced)
+    plugin: P
+    timer: PluginTimer
 
 
-def _steps(plugins: Sequence[Plugin], extension_point: str) -> tuple[Step, ...]:
+def _steps(plugins: Sequence[P], extension_point: str) -> tuple[Step[P], ...]:
     return tuple(Step(p, plugin_timer(extension_point, p)) for p in plugins)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class Runtime:
-    """Everything a request needs from one effective config.
+    """Everything a request needs from one effective config; immutable once built (`build`).
 
     - `config` (effective, every default filled in), `plugins` by name, `feature_gates`;
     - `parser`, `saturation_detector`, `scheduler`; `flow_control`: the resolved `flowControl`
@@ -107,24 +114,41 @@ class Runtime:
     - `notes`: the loader's notes on the config (logged when installed).
     """
 
-    def __init__(
-        self,
+    config: EndpointPickerConfig
+    notes: tuple[str, ...]
+    plugins: Mapping[str, Plugin]
+    feature_gates: frozenset[str]
+    persistent_keys: frozenset[str]
+    scheduler: Scheduler
+    parser: Parser
+    saturation_detector: SaturationDetector
+    flow_control: FlowControlSettings | None
+    data_sources: tuple[DataSource, ...] | None
+    producers: tuple[Step[DataProducer], ...]
+    async_producers: tuple[Step[DataProducer], ...]
+    affinity_source: AffinitySource | None
+    admitters: tuple[Step[Admitter], ...]
+    pre_request: tuple[Step[PreRequest], ...]
+    response_received: tuple[Step[ResponseReceived], ...]
+    response_streaming: tuple[Step[ResponseStreaming], ...]
+    response_metadata: tuple[Step[ResponseMetadata], ...]
+    response_complete: tuple[Step[ResponseComplete], ...]
+    background: tuple[BackgroundWork, ...]
+
+    @classmethod
+    def build(
+        cls,
         config: EndpointPickerConfig,
         plugins: Mapping[str, Plugin],
         producers: Sequence[DataProducer],
         persistent_keys: frozenset[str],
-        objectives: Mapping[str, int | None],
         decision_log: DecisionLog | None = None,
         notes: Sequence[str] = (),
-    ) -> None:
-        self.config = config
-        self.notes = tuple(notes)
-        self.plugins: Mapping[str, Plugin] = MappingProxyType(dict(plugins))
-        self.feature_gates = frozenset(config.feature_gates)
-        self.objectives = objectives
-        self.persistent_keys = persistent_keys
+    ) -> Runtime:
+        """The runtime of a config the loader built: `plugins` by name, `producers` in
+        dependency order."""
         handler = next(p for p in plugins.values() if isinstance(p, ProfileHandler))
-        self.scheduler = Scheduler(
+        scheduler = Scheduler(
             handler,
             [_profile(spec.name, spec.plugins, plugins) for spec in config.scheduling_profiles],
             decision_log,
@@ -133,12 +157,9 @@ class Runtime:
         parser = plugins[config.parser.plugin_ref]
         detector = plugins[config.saturation_detector.plugin_ref]
         assert isinstance(parser, Parser) and isinstance(detector, SaturationDetector)
-        self.parser = parser
-        self.saturation_detector = detector
-        self.flow_control = flow_control_settings(config, plugins)  # None: the gate is off
-        self.data_sources: tuple[DataSource, ...] | None = None
+        data_sources: tuple[DataSource, ...] | None = None
         if config.data_layer is not None:
-            self.data_sources = tuple(
+            data_sources = tuple(
                 DataSource(
                     _plugin(plugins, s.plugin_ref, MetricsDataSource),
                     tuple(_plugin(plugins, e.plugin_ref, CoreMetricsExtractor) for e in s.extractors),
@@ -146,32 +167,38 @@ class Runtime:
                 for s in config.data_layer.sources
             )
         everything = list(plugins.values())
-        self.producers = _steps(producers, "PrepareData")
-        self.async_producers = tuple(
-            s for s in self.producers if type(s.plugin).prepare_async is not DataProducer.prepare_async
+        producer_steps = _steps(producers, "PrepareData")
+        return cls(
+            config=config,
+            notes=tuple(notes),
+            plugins=MappingProxyType(dict(plugins)),
+            feature_gates=frozenset(config.feature_gates),
+            persistent_keys=persistent_keys,
+            scheduler=scheduler,
+            parser=parser,
+            saturation_detector=detector,
+            flow_control=flow_control_settings(config, plugins),  # None: the gate is off
+            data_sources=data_sources,
+            producers=producer_steps,
+            async_producers=tuple(
+                s for s in producer_steps if type(s.plugin).prepare_async is not DataProducer.prepare_async
+            ),
+            affinity_source=next((p for p in producers if isinstance(p, AffinitySource)), None),
+            admitters=_steps([p for p in everything if isinstance(p, Admitter)], "AdmitRequest"),
+            pre_request=_steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest"),
+            response_received=_steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived"),
+            response_streaming=_steps(
+                [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses],
+                "ResponseStreaming",
+            ),
+            # The reference times its ResponseBody plugins (this hook) as ResponseStreaming.
+            response_metadata=_steps([p for p in everything if isinstance(p, ResponseMetadata)], "ResponseStreaming"),
+            response_complete=_steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete"),
+            background=tuple(p for p in everything if isinstance(p, BackgroundWork)),
         )
-        self.affinity_source: AffinitySource | None = next(
-            (s.plugin for s in self.producers if isinstance(s.plugin, AffinitySource)), None
-        )
-        self.admitters = _steps([p for p in everything if isinstance(p, Admitter)], "AdmitRequest")
-        self.pre_request = _steps([p for p in everything if isinstance(p, PreRequest)], "PreRequest")
-        self.response_received = _steps([p for p in everything if isinstance(p, ResponseReceived)], "ResponseReceived")
-        self.response_streaming = _steps(
-            [p for p in everything if isinstance(p, ResponseStreaming) and p.streams_responses], "ResponseStreaming"
-        )
-        # The reference times its ResponseBody plugins (this hook) as ResponseStreaming.
-        self.response_metadata = _steps([p for p in everything if isinstance(p, ResponseMetadata)], "ResponseStreaming")
-        self.response_complete = _steps([p for p in everything if isinstance(p, ResponseComplete)], "ResponseComplete")
-        self.background = tuple(p for p in everything if isinstance(p, BackgroundWork))
-
-    def priority(self, request: InferenceRequest) -> int:
-        """The request's InferenceObjective priority; no objective, unknown or unset → 0."""
-        if request.objective is None:
-            return 0
-        return self.objectives.get(request.objective) or 0
 
 
-def _plugin(plugins: Mapping[str, Plugin], name: str, kind: type[Any]) -> Any:
+def _plugin(plugins: Mapping[str, Plugin], name: str, kind: type[P]) -> P:
     plugin = plugins[name]
     assert isinstance(plugin, kind)  # the loader checked every reference's type
     return plugin
@@ -199,10 +226,10 @@ InstallListener = Callable[[Runtime], Awaitable[None]]
 class RuntimeHolder:
     """Holds the current `Runtime`; builds, installs, reloads and watches configs.
 
-    State that must outlive a reload is kept here: the objectives, the decision log and the
-    plugins' persistent objects. Background work runs only between `start()` and `stop()` (on
-    the server's event loop); `on_install` runs after each installed runtime's activation (the
-    data layer follows the config through it).
+    State that must outlive a reload is kept here: the objectives (`objectives`, swapped whole
+    by `set_objectives`), the decision log and the plugins' persistent objects. Background work
+    runs only between `start()` and `stop()` (on the server's event loop); `on_install` runs
+    after each installed runtime's activation (the data layer follows the config through it).
     """
 
     def __init__(
@@ -217,7 +244,7 @@ class RuntimeHolder:
         self.decision_log = decision_log
         self.on_install = on_install
         self.objects = PersistentObjects()
-        self._objectives: Mapping[str, int | None] = MappingProxyType({})
+        self.objectives = Objectives()  # read by the request path with `current`, once per request
         self._source_hash: bytes | None = None
         self._started = False
         self._activations: set[asyncio.Task[None]] = set()
@@ -237,14 +264,8 @@ class RuntimeHolder:
         except ConfigError:
             self._activate_later()
             raise
-        return Runtime(
-            loaded.config,
-            loaded.plugins,
-            loaded.producers,
-            frozenset(handle.used),
-            self._objectives,
-            self.decision_log,
-            loaded.notes,
+        return Runtime.build(
+            loaded.config, loaded.plugins, loaded.producers, frozenset(handle.used), self.decision_log, loaded.notes
         )
 
     def install(self, runtime: Runtime, origin: str, text: bytes) -> None:
@@ -367,9 +388,9 @@ class RuntimeHolder:
         return True
 
     def set_objectives(self, objectives: Mapping[str, int | None]) -> None:
-        """Replace the InferenceObjective priorities (`{name: priority}`, None = unset = 0)."""
-        self._objectives = MappingProxyType(dict(objectives))
-        self.current.objectives = self._objectives
+        """Replace the InferenceObjective priorities (`{name: priority}`, None = unset = 0):
+        a new `objectives` value, swapped in as a runtime is; the runtimes are not touched."""
+        self.objectives = Objectives.of(objectives)
 
     async def watch(self, path: str | Path, interval: float = WATCH_INTERVAL_SECONDS) -> None:
         """Reload `path` whenever its content changes, until cancelled.

@@ -31,7 +31,7 @@ class Datastore:
         self._remote_requests: dict[str, int] = {}
         self._remote_tokens: dict[str, int] = {}
         # Called on every acquire and release (state sync publishes the counts); must not block.
-        self.in_flight_listener: Callable[[], None] | None = None
+        self._in_flight_listeners: list[Callable[[], None]] = []
         self._listeners: list[EndpointListener] = []
         self._load_listeners: list[Callable[[], None]] = []
         self.synced = False  # True once discovery has delivered a full endpoint list
@@ -79,6 +79,15 @@ class Datastore:
         released, the endpoint set replaced (flow control dispatches on it; keep it cheap)."""
         self._load_listeners.append(listener)
 
+    def add_in_flight_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` on every acquire and release (keep it cheap: the request path)."""
+        self._in_flight_listeners.append(listener)
+
+    def remove_in_flight_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling `listener` (added with `add_in_flight_listener`); unknown ones are ignored."""
+        if listener in self._in_flight_listeners:
+            self._in_flight_listeners.remove(listener)
+
     def _load_changed(self) -> None:
         for listener in self._load_listeners:
             listener()
@@ -115,8 +124,8 @@ class Datastore:
         self._in_flight_requests[address] = self._in_flight_requests.get(address, 0) + 1
         self._in_flight_tokens[address] = self._in_flight_tokens.get(address, 0) + tokens
         self._snapshot = None
-        if self.in_flight_listener is not None:
-            self.in_flight_listener()
+        for listener in self._in_flight_listeners:
+            listener()
 
     def release(self, address: str, tokens: int) -> None:
         if address not in self._in_flight_requests:
@@ -128,8 +137,8 @@ class Datastore:
         if completions is None:
             completions = self._completions[address] = EventRate()
         completions.record(time.monotonic())
-        if self.in_flight_listener is not None:
-            self.in_flight_listener()
+        for listener in self._in_flight_listeners:
+            listener()
         self._load_changed()
 
     def completion_rate(self, address: str, now: float | None = None) -> float:

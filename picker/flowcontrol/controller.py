@@ -105,7 +105,6 @@ class FlowController:
         self._cycle_scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         self._series: dict[tuple[str, ...], list[int]] = {}  # gauge labels → [requests, bytes]
-        metrics.FLOW_POOL_SATURATION.labels(pool_name).set_function(self._reported_saturation)
         self._histograms: dict[tuple[Any, ...], Any] = {}
 
     # -- the request side --------------------------------------------------------------------
@@ -258,9 +257,9 @@ class FlowController:
             return True
         return self._saturation() < settings.usage_limit
 
-    def _reported_saturation(self) -> float:
-        """The pool's saturation as the gate sees it, read when the metrics are scraped (0.0
-        while the gate is off)."""
+    def reported_saturation(self) -> float:
+        """The pool's saturation as the gate sees it, for the pool-saturation gauge (0.0 while
+        the gate is off); the composition root binds the gauge to it."""
         return self._saturation() if self._settings_source() is not None else 0.0
 
     def _cycle(self) -> None:

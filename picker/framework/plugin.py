@@ -20,6 +20,19 @@ Order of calls for one request (`picker.requestcontrol.director.Director` runs t
    `ResponseMetadata` with the usage the response reported (its dynamic metadata goes back to
    the proxy), `ResponseComplete` once when the response has ended.
 
+What a plugin's failure does (the failure policy; `picker.requestcontrol.hooks` applies it):
+
+- Logged and skipped, the request goes on and the hook's other plugins still run: a
+  `DataProducer` (`prepare_async`, whose total is also bounded by 400 ms, `prepare`, an
+  `AffinitySource`'s `affinity`; its consumers then find no data), `PreRequest`,
+  `ResponseReceived`, `ResponseStreaming`, `ResponseMetadata` (it reports nothing) and
+  `ResponseComplete`.
+- Fails the request: an `Admitter` that denies or raises (500 "request cannot be admitted",
+  as the reference answers a denial); the `Parser`, the `SaturationDetector` and the
+  scheduler's `ProfileHandler`, `Filter`, `Scorer` and `Picker`, with the `RequestError` they
+  raise (e.g. the parser's 400, the profile handler's 429) or, for any other exception, 500
+  Internal, logged with its traceback.
+
 Scorers return one score per candidate, aligned with the candidate sequence they were given
 (a list is cheaper than a dict keyed by address, and the candidates are already ordered).
 """

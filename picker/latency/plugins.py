@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +52,11 @@ from picker.latency.prediction import (
     slo_ms,
 )
 from picker.latency.tpot import TpotModel
-from picker.prefix.plugins import PREFIX_MATCH_KEY, TTFT_MODEL_KEY, prompt_and_cached_tokens
+from picker.prefix.plugins import PREFIX_MATCH_KEY, ProducerTtftModel, prompt_and_cached_tokens
 from picker.prefix.ttft import TtftModel
 
-TPOT_MODEL_KEY = "latency/tpot-model"
+# The producer's own objects that outlive reloads (Handle.persistent keys, + ":" + its name).
+_TPOT_MODEL_KEY = "latency/tpot-model"
 _RUNNING_TPOT_SLOS_KEY = "latency/running-tpot-slos"
 _PREFILL_ROLE = "prefill"
 # The request's (TTFT, TPOT) SLOs in ms, and where its TPOT SLO was counted as running.
@@ -102,13 +103,23 @@ class PredictedLatencyProducer(DataProducer, PreRequest, ResponseComplete):
     consumes = frozenset({PREFIX_MATCH_KEY})
 
     def __init__(
-        self, name: str, settings: ProducerSettings, ttft: TtftModel, tpot: TpotModel, running: RunningTpotSlos
+        self,
+        name: str,
+        settings: ProducerSettings,
+        ttft: Callable[[], TtftModel],
+        tpot: TpotModel,
+        running: RunningTpotSlos,
     ) -> None:
         super().__init__(name)
         self.settings = settings
-        self.ttft = ttft
+        self._ttft = ttft  # the prefix producer's (`ProducerTtftModel`)
         self.tpot = tpot
         self.running = running
+
+    @property
+    def ttft(self) -> TtftModel:
+        """The TTFT model this producer predicts with: the prefix producer's."""
+        return self._ttft()
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PredictedLatencyProducer:
@@ -123,13 +134,14 @@ class PredictedLatencyProducer(DataProducer, PreRequest, ResponseComplete):
         )
         params.duration("contextTTL", 300.0)
         effective = params.finish()
-        ttft = handle.persistent(TTFT_MODEL_KEY, TtftModel)
-        tpot = handle.persistent(TPOT_MODEL_KEY, TpotModel)
-        running: RunningTpotSlos = handle.persistent(_RUNNING_TPOT_SLOS_KEY, dict)
+        ttft = ProducerTtftModel(handle)
+        tpot_key = f"{_TPOT_MODEL_KEY}:{name}"
+        tpot = handle.persistent(tpot_key, TpotModel)
+        running: RunningTpotSlos = handle.persistent(f"{_RUNNING_TPOT_SLOS_KEY}:{name}", dict)
         datastore = handle.datastore
         if datastore is not None:
             handle.persistent(
-                f"{TPOT_MODEL_KEY}/listener", lambda: datastore.on_departure(tpot.forget), datastore.remove_listener
+                f"{tpot_key}/listener", lambda: datastore.on_departure(tpot.forget), datastore.remove_listener
             )
         producer = cls(name, settings, ttft, tpot, running)
         producer.parameters = effective
@@ -142,9 +154,10 @@ class PredictedLatencyProducer(DataProducer, PreRequest, ResponseComplete):
         if not self.settings.predict_in_prepare_data or not candidates:
             return
         prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
-        now = self.ttft.clock()
+        ttft = self.ttft
+        now = ttft.clock()
         cycle_state[LATENCY_PREDICTIONS_KEY] = {
-            c.address: self._predict(c, self.ttft.estimate(c, prompt_tokens, hit, now).seconds, ttft_slo, tpot_slo)
+            c.address: self._predict(c, ttft.estimate(c, prompt_tokens, hit, now).seconds, ttft_slo, tpot_slo)
             for c, hit in zip(candidates, cached)
         }
 

@@ -154,6 +154,10 @@ class PrefixIndex:
             now = self._clock()
             reuse.touch(reused, now)
             reuse.expire(now - self.reuse_window_s)  # bounded even if nobody asks for the count
+        self._trim(endpoint, lru, reuse)
+
+    def _trim(self, endpoint: str, lru: OrderedDict[int, None], reuse: _RecentReuse | None) -> None:
+        """Evict `endpoint`'s least recent blocks beyond its capacity."""
         limit = self._capacities[endpoint]
         while len(lru) > limit:
             block, _ = lru.popitem(last=False)
@@ -161,6 +165,21 @@ class PrefixIndex:
             if reuse is not None:
                 reuse.last.pop(block, None)
             self._size -= 1
+
+    def reconfigure(self, default_capacity: int, reuse_window_s: float) -> None:
+        """Take a new default LRU capacity and reuse window (a reload changed them) and keep
+        what the index holds: endpoints at the old default capacity take the new one, losing
+        their least recent blocks beyond it; capacities set by autoTune stay."""
+        if default_capacity < 1:
+            raise ValueError(f"LRU capacity must be >= 1, got {default_capacity}")
+        old, self.default_capacity, self.reuse_window_s = self.default_capacity, default_capacity, reuse_window_s
+        if default_capacity == old:
+            return
+        self.version += 1
+        for endpoint, capacity in self._capacities.items():
+            if capacity == old:
+                self._capacities[endpoint] = default_capacity
+                self._trim(endpoint, self._lrus[endpoint], self._reuse.get(endpoint))
 
     def remove(self, endpoints: Iterable[str]) -> None:
         """Forget everything `endpoints` held (they left the pool)."""

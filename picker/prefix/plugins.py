@@ -86,9 +86,10 @@ OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tok
 ENGINE_CACHED_TOKENS_KEY = StateKey("EngineCachedTokens", dict)
 PREFILL_PROFILE = "prefill"
 
-# Objects that outlive config reloads (Handle.persistent keys).
+# Objects that outlive config reloads (Handle.persistent keys); a producer's index and TTFT
+# model are its own, keyed by its name (`index_key`, `ttft_model_key`).
 _INDEX_KEY = "prefix/approx-index"
-TTFT_MODEL_KEY = "prefix/ttft-model"
+_TTFT_MODEL_KEY = "prefix/ttft-model"
 _TOKEN_CACHE_KEY = "prefix/token-cache"
 _EXECUTOR_KEY = "prefix/tokenize-executor"
 
@@ -256,8 +257,27 @@ def _tokenizer_specs(raw: Mapping[str, Any]) -> dict[str, str]:
     return specs
 
 
-class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, ResponseComplete, AffinitySource):
+def index_key(producer_name: str) -> str:
+    """The persistent key of the prefix index of the producer called `producer_name` (also the
+    name its inserts go by between picker processes, `--state-store`)."""
+    return f"{_INDEX_KEY}:{producer_name}"
+
+
+def ttft_model_key(producer_name: str) -> str:
+    """The persistent key of the TTFT model of the producer called `producer_name`."""
+    return f"{_TTFT_MODEL_KEY}:{producer_name}"
+
+
+class ApproxPrefixCacheProducer(
+    DataProducer, PreRequest, ResponseStreaming, ResponseComplete, AffinitySource, BackgroundWork
+):
     """`approx-prefix-cache-producer`: see the module docstring.
+
+    Its prefix index and TTFT model are its own and outlive reloads by its name: a reload that
+    changes `lruCapacityPerServer` or `reuseWindowSeconds` keeps the warm index (resized once
+    the new config is installed), and two producers by different names keep separate ones.
+    The TTFT model's consumers (`ttft-cost-scorer`, `predicted-latency-producer`) read it
+    from this producer (`ProducerTtftModel`).
 
     Reference parameters: `autoTune` (true: block size from the first candidate's engine
     block size, LRU capacity from each endpoint's KV block count), `blockSizeTokens` (16),
@@ -314,16 +334,16 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
                 )
             except ValueError as error:
                 raise PluginConfigError(f"tokenizers.{model}: {error}") from None
-        index_key = f"{_INDEX_KEY}:{config.lru_capacity_per_server}:{config.reuse_window_s}"
+        index_name, ttft_name = index_key(name), ttft_model_key(name)
         index = handle.persistent(
-            index_key,
+            index_name,
             lambda: PrefixIndex(config.lru_capacity_per_server, config.reuse_window_s),
         )
-        ttft = handle.persistent(TTFT_MODEL_KEY, TtftModel)
+        ttft = handle.persistent(ttft_name, TtftModel)
         datastore = handle.datastore
         if datastore is not None:
             handle.persistent(
-                f"{index_key}/listener",
+                f"{index_name}/listener",
                 lambda: datastore.on_departure(partial(_forget, index, ttft)),
                 datastore.remove_listener,
             )
@@ -340,16 +360,24 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         sync = handle.state_sync
         if sync is not None:
             shared = handle.persistent(
-                f"{index_key}/state-sync",
-                lambda: sync.share_index(index_key, partial(_apply_shared, index)),
+                f"{index_name}/state-sync",
+                lambda: sync.share_index(index_name, partial(_apply_shared, index)),
                 lambda shared: shared.close(),
             )
             shared_ttft = handle.persistent(
-                f"{TTFT_MODEL_KEY}/state-sync", lambda: sync.share_ttft(ttft), lambda shared: shared.close()
+                f"{ttft_name}/state-sync", lambda: sync.share_ttft(ttft), lambda shared: shared.close()
             )
         producer = cls(name, config, index, PromptHasher(tokenizers, cache, executor), ttft, shared, shared_ttft)
         producer.parameters = effective
         return producer
+
+    def start(self) -> None:
+        """The index takes this config's capacity and reuse window once the config is installed
+        (a config that fails validation after this producer was built leaves it alone)."""
+        self.index.reconfigure(self.config.lru_capacity_per_server, self.config.reuse_window_s)
+
+    async def stop(self) -> None:
+        """Nothing runs: the index and the TTFT model outlive the config."""
 
     # -- request path ----------------------------------------------------------------------
 
@@ -533,6 +561,28 @@ class ApproxPrefixCacheProducer(DataProducer, PreRequest, ResponseStreaming, Res
         return capacity - index.reused_blocks(state.address)
 
 
+class ProducerTtftModel:
+    """The TTFT model of the config's `approx-prefix-cache-producer` (the producer of the
+    PrefixCacheMatchInfo its consumers read; the first configured if there are several), found
+    when first asked: the loader adds that producer after its consumers when none is configured."""
+
+    __slots__ = ("_handle", "_model")
+
+    def __init__(self, handle: Handle) -> None:
+        self._handle = handle
+        self._model: TtftModel | None = None
+
+    def __call__(self) -> TtftModel:
+        model = self._model
+        if model is None:
+            producers = self._handle.plugins().values()
+            producer = next((p for p in producers if isinstance(p, ApproxPrefixCacheProducer)), None)
+            if producer is None:  # the loader adds one to every config that consumes its data
+                raise LookupError("the TTFT model belongs to an approx-prefix-cache-producer: the config has none")
+            model = self._model = producer.ttft
+        return model
+
+
 def _apply_shared(
     index: PrefixIndex, address: str, hashes: Sequence[int], capacity: int | None, count_reuse: bool
 ) -> None:
@@ -616,7 +666,7 @@ class TtftCostScorer(Scorer, BackgroundWork):
 
     Parameters: `prefillTokensPerSecond` (5000), `drainTokensPerSecond` (5000),
     `overheadSeconds` (0.01), `typicalPromptTokens` (512), `ewmaAlpha` (0.2): the priors the
-    shared model starts every endpoint from before it has learnt its rates;
+    prefix producer's model starts every endpoint from before it has learnt its rates;
     `interferenceWeight` (0): how much the stall a prefill imposes on the requests already
     running at an endpoint counts against it (`picker.prefix.ttft`).
     Each endpoint's prediction goes to the decision's explain map (`predicted_ttft`); the
@@ -628,15 +678,24 @@ class TtftCostScorer(Scorer, BackgroundWork):
     consumes = frozenset({PREFIX_MATCH_KEY})
 
     def __init__(
-        self, name: str, model: TtftModel, interference_weight: float = 0.0, priors: TtftPriors | None = None
+        self,
+        name: str,
+        model: Callable[[], TtftModel],
+        interference_weight: float = 0.0,
+        priors: TtftPriors | None = None,
     ) -> None:
         super().__init__(name)
-        self.model = model
+        self._model = model  # the prefix producer's (`ProducerTtftModel`)
         self.interference_weight = interference_weight
         self.priors = priors or TtftPriors()
 
+    @property
+    def model(self) -> TtftModel:
+        """The TTFT model this scorer predicts with: the prefix producer's."""
+        return self._model()
+
     def start(self) -> None:
-        """The shared model takes this config's priors once the config is installed (a config
+        """The producer's model takes this config's priors once the config is installed (a config
         that fails validation after this scorer was built must leave the live model alone)."""
         self.model.set_priors(self.priors)
 
@@ -656,8 +715,7 @@ class TtftCostScorer(Scorer, BackgroundWork):
         )
         interference_weight = p.number("interferenceWeight", 0.0, at_least=0)
         effective = p.finish()
-        model = handle.persistent(TTFT_MODEL_KEY, TtftModel)
-        scorer = cls(name, model, interference_weight, priors)
+        scorer = cls(name, ProducerTtftModel(handle), interference_weight, priors)
         scorer.parameters = effective
         return scorer
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
-from picker.config.runtime import Runtime, RuntimeHolder, Step
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
@@ -30,6 +30,7 @@ from picker.framework.plugin import Affinity, DynamicMetadata, SchedulingResult
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage
+from picker.requestcontrol.hooks import ask_affinity, request_failed, run_admitters, run_isolated, run_isolated_async
 from picker.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
@@ -71,38 +72,7 @@ def prepare(
 ) -> None:
     """Run every data producer's `prepare`, in dependency order. As in the reference, a failing
     producer is logged and does not fail the request; its consumers then find no data."""
-    for step in runtime.producers:
-        started = perf_counter()
-        try:
-            step.plugin.prepare(request, candidates, cycle_state)
-        except Exception:
-            log.exception("data producer %s failed for request %s", step.plugin.name, request.request_id)
-        if timed:
-            step.timer.done(started)
-
-
-def schedule(runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> SchedulingResult:
-    """Prepare a new CycleState and schedule: the synchronous part of routing, for tools and
-    tests that route without the ext_proc stream (no admission, no async work, no hooks after)."""
-    timed = runtime.scheduler.next_cycle_timed()
-    cycle_state = CycleState()
-    prepare(runtime, request, candidates, cycle_state, timed)
-    return runtime.scheduler.schedule(request, candidates, cycle_state, timed)
-
-
-def _run_hooks(steps: Sequence[Step], method: str, timed: bool, request: InferenceRequest, *args: Any) -> list[Any]:
-    """Call `method` on every plugin of `steps` and return what the calls returned; one
-    failing is logged (and returns nothing), the others still run."""
-    returned = []
-    for step in steps:
-        started = perf_counter()
-        try:
-            returned.append(getattr(step.plugin, method)(request, *args))
-        except Exception:
-            log.exception("%s of plugin %s failed for request %s", method, step.plugin.name, request.request_id)
-        if timed:
-            step.timer.done(started)
-    return returned
+    run_isolated(runtime.producers, lambda producer: producer.prepare(request, candidates, cycle_state), timed, request)
 
 
 def routed_fields(request: InferenceRequest, result: SchedulingResult, priority: int, seconds: float) -> dict[str, Any]:
@@ -214,7 +184,12 @@ class RoutedRequest:
             self._response_buffer = []
         runtime, result, request = self.runtime, self.result, self.request
         if runtime is not None and result is not None and request is not None and runtime.response_received:
-            _run_hooks(runtime.response_received, "response_received", result.timed, request, result, status)
+            run_isolated(
+                runtime.response_received,
+                lambda plugin: plugin.response_received(request, result, status),
+                result.timed,
+                request,
+            )
         if end_of_stream:
             self.finish()
 
@@ -244,8 +219,11 @@ class RoutedRequest:
                     self.usage = self._whole_body_usage()
         runtime, result, request = self.runtime, self.result, self.request
         if runtime is not None and result is not None and request is not None and runtime.response_streaming:
-            _run_hooks(
-                runtime.response_streaming, "response_streaming", result.timed, request, result, chunk, end_of_stream
+            run_isolated(
+                runtime.response_streaming,
+                lambda plugin: plugin.response_streaming(request, result, chunk, end_of_stream),
+                result.timed,
+                request,
             )
         metadata = None
         if self._sse is not None:  # an event stream: asked on every chunk, as the reference does
@@ -283,8 +261,12 @@ class RoutedRequest:
             return None
         if self._metadata is None or usage is not self._metadata_usage:
             merged: dict[str, dict[str, float]] = {}
-            reported = _run_hooks(
-                runtime.response_metadata, "response_metadata", result.timed, request, usage or NO_USAGE
+            reported_usage = usage or NO_USAGE
+            reported = run_isolated(
+                runtime.response_metadata,
+                lambda plugin: plugin.response_metadata(request, reported_usage),
+                result.timed,
+                request,
             )
             for metadata in reported:
                 for namespace, values in metadata.items():
@@ -323,7 +305,8 @@ class Director:
 
     `tenant_header` names the request header that scopes prefix state by tenant;
     `staleness_threshold` the age after which an endpoint's scraped metrics count as stale
-    (None: never); `tracer` (`--tracing` with an exporter) traces sampled requests; `pool_name`
+    (None: never; while nothing scrapes, every endpoint's metrics soon are, and all stay
+    candidates); `tracer` (`--tracing` with an exporter) traces sampled requests; `pool_name`
     labels the flow-control metrics.
     """
 
@@ -339,7 +322,7 @@ class Director:
         self.datastore = datastore
         self.tracer = tracer
         self.runtimes = runtimes
-        self.staleness_threshold = staleness_threshold
+        self._staleness_threshold = staleness_threshold
         self.tenant_header = tenant_header
         self._series: dict[tuple[str, str], _ModelSeries] = {}
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
@@ -405,10 +388,10 @@ class Director:
         nothing is fresh (no scraping configured, or the whole pool unreachable) every
         candidate stays, so routing never stops for want of metrics.
         """
-        if self.staleness_threshold is None:
+        if self._staleness_threshold is None:
             return candidates
         now = time.monotonic()
-        fresh = [c for c in candidates if c.metrics_age(now) <= self.staleness_threshold]
+        fresh = [c for c in candidates if c.metrics_age(now) <= self._staleness_threshold]
         return fresh or candidates
 
     def route_without_body(self, subset: Sequence[str] | None) -> RoutedRequest:
@@ -419,7 +402,7 @@ class Director:
 
     async def route(self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None) -> RoutedRequest:
         """Parse, admit, prepare, schedule and count one request; raises RequestError (400,
-        429, 503) when it cannot be routed. `headers` have lower-case names."""
+        429, 500, 503) when it cannot be routed. `headers` have lower-case names."""
         trace = self.tracer.start(headers) if self.tracer is not None else None
         if trace is None:
             return await self._route(body, headers, subset, None)
@@ -437,14 +420,32 @@ class Director:
     async def _route(
         self, body: bytes, headers: Mapping[str, str], subset: Sequence[str] | None, trace: tracing.RequestTrace | None
     ) -> RoutedRequest:
+        """`_parse_and_route`, with the failure policy's last word: a plugin's exception other
+        than a `RequestError` fails the request with 500 (`hooks.request_failed`)."""
+        request_id = headers.get("x-request-id") or str(uuid.uuid4())
+        try:
+            return await self._parse_and_route(body, headers, request_id, subset, trace)
+        except RequestError:
+            raise
+        except Exception:
+            raise request_failed(request_id) from None
+
+    async def _parse_and_route(
+        self,
+        body: bytes,
+        headers: Mapping[str, str],
+        request_id: str,
+        subset: Sequence[str] | None,
+        trace: tracing.RequestTrace | None,
+    ) -> RoutedRequest:
         # V(4): one line per routed request; below it nothing is measured for the line.
         log_request = log.isEnabledFor(logging.DEBUG)
         started = perf_counter() if log_request else 0.0
-        runtime = self.runtimes.current
-        request_id = headers.get("x-request-id") or str(uuid.uuid4())
+        runtime, objectives = self.runtimes.current, self.runtimes.objectives
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
+        priority = objectives.priority(request)
         if trace is not None:
-            trace.parsed(request, runtime.priority(request))
+            trace.parsed(request, priority)
         # -- flow control (the `flowControl` gate): hold the request until the pool has room;
         # it is scheduled after dispatch, on that moment's endpoints and metrics (late binding).
         flow_control = runtime.flow_control
@@ -458,7 +459,6 @@ class Director:
                 await self._prepare_async(runtime, request, candidates, cycle_state)
                 prepared_async = True
             affinity = self._affinity_lookup(runtime, request, subset, cycle_state)
-            priority = runtime.priority(request)
             async with self.flow_control.dispatched(flow_control, request, priority, affinity) as waited:
                 # Nothing awaited since the candidates were read (no preparation off the loop, no
                 # wait in the queue): they are the pool as it is now, so scheduling reuses them.
@@ -466,6 +466,7 @@ class Director:
                 return await self._schedule(
                     runtime,
                     request,
+                    priority,
                     body,
                     subset,
                     started,
@@ -475,7 +476,7 @@ class Director:
                     current,
                 )
         # -- end of flow control
-        return await self._schedule(runtime, request, body, subset, started, log_request, trace)
+        return await self._schedule(runtime, request, priority, body, subset, started, log_request, trace)
 
     def _candidates_or_none(self, subset: Sequence[str] | None) -> list[EndpointState] | None:
         try:
@@ -493,7 +494,7 @@ class Director:
 
         def lookup() -> Affinity | None:
             candidates = self._candidates_or_none(subset)
-            return source.affinity(request, candidates, cycle_state) if candidates else None
+            return ask_affinity(source, request, candidates, cycle_state) if candidates else None
 
         return lookup
 
@@ -501,6 +502,7 @@ class Director:
         self,
         runtime: Runtime,
         request: InferenceRequest,
+        priority: int,
         body: bytes,
         subset: Sequence[str] | None,
         started: float,
@@ -509,27 +511,28 @@ class Director:
         prepared: CycleState | None = None,
         candidates: list[EndpointState] | None = None,
     ) -> RoutedRequest:
-        """Admit, prepare, schedule and count a parsed request (`prepared`: its CycleState after
+        """Admit, prepare, schedule and count a parsed request of InferenceObjective `priority`
+        (`prepared`: its CycleState after
         the async preparation, done before it waited in flow control; `candidates`: the
         endpoints as they are now, when already read)."""
         if candidates is None:
             candidates = self.candidates(subset)
-        self._admit(runtime, request, candidates)
+        self._admit(runtime, request, priority, candidates)
         timed = runtime.scheduler.next_cycle_timed() or trace is not None  # a traced request times its plugins
         cycle_state = prepared
         if cycle_state is None:
             cycle_state = CycleState()
             await self._prepare_async(runtime, request, candidates, cycle_state)
         prepare(runtime, request, candidates, cycle_state, timed)
-        priority = runtime.priority(request)
         if runtime.admitters:
-            denials = _run_hooks(runtime.admitters, "admit", timed, request, priority, candidates, cycle_state)
-            denial = next((reason for reason in denials if reason is not None), None)
-            if denial is not None:
-                log.debug("request %s not admitted: %s", request.request_id, denial)
-                raise RequestError("Internal", "request cannot be admitted")
+            run_admitters(
+                runtime.admitters,
+                lambda admitter: admitter.admit(request, priority, candidates, cycle_state),
+                timed,
+                request,
+            )
         result = runtime.scheduler.schedule(request, candidates, cycle_state, timed)
-        _run_hooks(runtime.pre_request, "pre_request", timed, request, result)
+        run_isolated(runtime.pre_request, lambda plugin: plugin.pre_request(request, result), timed, request)
         targets = [t.address for t in result.targets]
         if trace is not None:
             trace.routed(result, targets)
@@ -544,13 +547,15 @@ class Director:
             log.debug("request routed", extra=routed_fields(request, result, priority, perf_counter() - started))
         return RoutedRequest(self, request, targets, tokens, runtime, result, forwarded)
 
-    def _admit(self, runtime: Runtime, request: InferenceRequest, candidates: Sequence[EndpointState]) -> None:
+    def _admit(
+        self, runtime: Runtime, request: InferenceRequest, priority: int, candidates: Sequence[EndpointState]
+    ) -> None:
         """The reference's legacy admission: shed a sheddable request (priority < 0) with
         ResourceExhausted (429) when the candidates are saturated; others always pass. Under
         flow control nothing is shed here: the request waited for room."""
         if runtime.flow_control is not None:
             return
-        if runtime.priority(request) < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
+        if priority < 0 and runtime.saturation_detector.saturation(candidates) >= 1.0:
             raise RequestError("ResourceExhausted", "the pool is saturated and the request is sheddable")
 
     async def _prepare_async(
@@ -560,18 +565,19 @@ class Director:
         candidates: Sequence[EndpointState],
         cycle_state: CycleState,
     ) -> None:
-        """Await the producers' async preparation, bounded by 400 ms in total; a timeout or
-        failure is logged and `prepare` then works without it."""
+        """Await the producers' async preparation, bounded by 400 ms in total; a timeout or a
+        producer's failure is logged and `prepare` then works without it."""
         if not runtime.async_producers:
             return
         try:
             async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
-                for step in runtime.async_producers:
-                    await step.plugin.prepare_async(request, candidates, cycle_state)
+                await run_isolated_async(
+                    runtime.async_producers,
+                    lambda producer: producer.prepare_async(request, candidates, cycle_state),
+                    request,
+                )
         except TimeoutError:
             log.warning("async data preparation for request %s timed out", request.request_id)
-        except Exception:
-            log.exception("async data preparation failed for request %s", request.request_id)
 
     def _endpoint_metrics(self, address: str) -> tuple[Any, Any]:
         series = self._endpoint_series.get(address)
@@ -608,7 +614,12 @@ class Director:
         runtime, result, trace = routed.runtime, routed.result, routed.trace
         token = tracing.activate(trace) if trace is not None else None
         if runtime is not None and result is not None:
-            _run_hooks(runtime.response_complete, "response_complete", result.timed, request, result, outcome)
+            run_isolated(
+                runtime.response_complete,
+                lambda plugin: plugin.response_complete(request, result, outcome),
+                result.timed,
+                request,
+            )
         if trace is not None and token is not None:
             tracing.deactivate(token)
             trace.finished(outcome)

@@ -175,14 +175,15 @@ class Scheduler:
         """Choose targets for `request` among `candidates`; `timed` records each plugin's time.
 
         Raises `RequestError`: ServiceUnavailable (503) when there are no candidates at all,
-        ResourceExhausted (429) when the filters leave none.
+        ResourceExhausted (429) when the filters leave none; a plugin's own exception passes
+        through (the director fails the request with it). Either counts a failed attempt.
         """
         started = perf_counter()
         try:
             if not candidates:
                 raise RequestError("ServiceUnavailable", "no endpoints available to serve the request")
             result = self._run_profiles(request, cycle_state, candidates, timed)
-        except RequestError:
+        except Exception:
             self._count_attempt("failure", request.target_model)
             raise
         SCHEDULER_E2E.observe(perf_counter() - started)

@@ -149,12 +149,13 @@ class SharedIndex:
 
 
 class SharedTtft:
-    """The TTFT model's link to the store (from `StateSync.share_ttft`)."""
+    """A TTFT model's link to the store (from `StateSync.share_ttft`)."""
 
-    __slots__ = ("_sync",)
+    __slots__ = ("_learner", "_sync")
 
-    def __init__(self, sync: StateSync) -> None:
+    def __init__(self, sync: StateSync, learner: TtftLearner) -> None:
         self._sync = sync
+        self._learner = learner
 
     def observed(
         self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached_tokens: int, work_ahead_tokens: float
@@ -167,8 +168,8 @@ class SharedTtft:
         self._sync.enqueue(PrefillQueued(endpoint, tokens))
 
     def close(self) -> None:
-        """Stop applying other processes' TTFT lessons (the model is gone)."""
-        self._sync.unshare_ttft()
+        """Stop applying other processes' TTFT lessons to this model (it is gone)."""
+        self._sync.unshare_ttft(self._learner)
 
 
 class StateSync:
@@ -206,7 +207,7 @@ class StateSync:
             client_name=f"picker-{self.origin[:12]}",
         )
         self._sinks: dict[str, IndexSink] = {}
-        self._ttft: TtftLearner | None = None
+        self._ttft: list[TtftLearner] = []  # every shared model learns every lesson (the endpoints')
         self._pending: deque[Update] = deque()
         self._wake = asyncio.Event()
         self._unsent: tuple[bytes, int] | None = None  # a batch whose XADD failed: sent again as is
@@ -224,7 +225,7 @@ class StateSync:
         self._load_nonzero = False  # the last load sent was not zero: it is refreshed
         self._remote_loads: dict[str, _RemoteLoad] = {}  # per origin
         self._store_clock_offset: float | None = None  # the store's wall clock minus ours, seconds
-        datastore.in_flight_listener = self._in_flight_changed
+        datastore.add_in_flight_listener(self._in_flight_changed)
 
     # -- the request path ------------------------------------------------------------------
 
@@ -253,11 +254,12 @@ class StateSync:
 
     def share_ttft(self, learner: TtftLearner) -> SharedTtft:
         """Publish what the TTFT model learns; apply other processes' lessons to `learner`."""
-        self._ttft = learner
-        return SharedTtft(self)
+        self._ttft.append(learner)
+        return SharedTtft(self, learner)
 
-    def unshare_ttft(self) -> None:
-        self._ttft = None
+    def unshare_ttft(self, learner: TtftLearner) -> None:
+        if learner in self._ttft:
+            self._ttft.remove(learner)
 
     @property
     def pending(self) -> int:
@@ -285,8 +287,7 @@ class StateSync:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
-        if self.datastore.in_flight_listener == self._in_flight_changed:
-            self.datastore.in_flight_listener = None
+        self.datastore.remove_in_flight_listener(self._in_flight_changed)
         await self._client.aclose()
 
     # -- background ------------------------------------------------------------------------
@@ -427,8 +428,7 @@ class StateSync:
             STATE_SKIPPED_INSERTS.inc(skipped)
         if batch.in_flight is not None:
             self._apply_load(batch.origin, batch.in_flight, age)
-        ttft = self._ttft
-        if ttft is not None:
+        for ttft in self._ttft:
             for o in batch.observations:
                 if known(o.endpoint) is not None:
                     ttft.observe(o.endpoint, o.ttft_seconds, o.prompt_tokens, o.cached_tokens, o.work_ahead_tokens)

@@ -8,17 +8,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.framework.parameters import PluginConfigError
-from picker.framework.plugin import SchedulingResult
-from picker.framework.request import Api, InferenceRequest, ResponseOutcome
 from picker.kvevents.decode import BlockStored
 from picker.kvevents.plugins import PreciseConfig, PreciseScorer
 from picker.prefix.hashing import chain_seed, token_block_hashes
-from picker.requestcontrol.director import schedule
 from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
+from tests.routing import Router, completion
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 MODEL = "m"
@@ -39,8 +36,9 @@ schedulingProfiles:
     )
 
 
-def request(tokens: list[int], rid: str, salt: str | None = None) -> InferenceRequest:
-    return InferenceRequest(rid, Api.COMPLETIONS, MODEL, MODEL, prompt_token_ids=tuple(tokens), cache_salt=salt)
+def body(tokens: list[int], salt: str | None = None) -> bytes:
+    """A completion of these prompt token ids."""
+    return completion(tokens, MODEL, **({"cache_salt": salt} if salt is not None else {}))
 
 
 def stored(tokens: list[int], size: int = 4) -> BlockStored:
@@ -48,12 +46,6 @@ def stored(tokens: list[int], size: int = 4) -> BlockStored:
 
 
 PROMPT = list(range(1, 41))
-
-
-def pre_request(runtime: Runtime, request: InferenceRequest, result: SchedulingResult) -> None:
-    """The runtime's PreRequest hooks, as the director runs them after a pick."""
-    for step in runtime.pre_request:
-        step.plugin.pre_request(request, result)
 
 
 async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -> None:
@@ -64,7 +56,8 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
     datastore.set_endpoints(endpoints)
     for e in endpoints:
         datastore.set_metrics(e.address, EndpointMetrics(cache_block_size=16, cache_num_blocks=100))
-    holder = RuntimeHolder(datastore)
+    router = Router(datastore)
+    holder = router.runtimes
     runtime = holder.load_text(config())
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
     assert isinstance(scorer, PreciseScorer)
@@ -78,7 +71,7 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
                 scorer.index.score(token_block_hashes(PROMPT, 4, chain_seed(MODEL)), [endpoints[1].address])[0] == 0.8
             )
         )
-        result = schedule(runtime, request(PROMPT, "r2"), datastore.snapshot())
+        result = await router.pick(body(PROMPT), "r2")
         assert result.targets[0].address == endpoints[1].address
         assert result.profile_results["default"].scores[scorer.name] == [0.0, 0.8]
         assert scorer.index.own_keys(endpoints[0].address) == {}
@@ -86,10 +79,11 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
 
         # After a pick the target is predicted to hold the whole prompt (speculative entries).
         other = list(range(100, 140))
-        picked = schedule(runtime, request(other, "r3"), datastore.snapshot())
-        pre_request(runtime, request(other, "r3"), picked)
-        again = schedule(runtime, request(other, "r4"), datastore.snapshot())
-        target = picked.targets[0].address
+        picked = await router.route(body(other), "r3")
+        routed_again = await router.route(body(other), "r4")
+        assert picked.result is not None and routed_again.result is not None
+        again = routed_again.result
+        target = picked.targets[0]
         scores = dict(
             zip(
                 (c.address for c in again.profile_results["default"].candidates),
@@ -100,8 +94,8 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
         # It lasts while the request is in flight (up to speculativeHold), the TTL after it ends.
         held_until = scorer.index.predicted_until(target)
         assert held_until is not None and held_until > time.monotonic() + 50
-        for step in runtime.response_complete:
-            step.plugin.response_complete(request(other, "r3"), picked, ResponseOutcome(target, 200))
+        for routed in (routed_again, picked):
+            routed.response_headers(200, target, "application/json", end_of_stream=True)
         ending = scorer.index.predicted_until(target)
         assert ending is not None and ending <= time.monotonic() + 2.0
 
@@ -123,20 +117,20 @@ async def test_a_salted_request_maps_the_engines_blocks_into_its_scope() -> None
     datastore = Datastore()
     endpoint = Endpoint(HOST, 9000, kv_events_address=publisher.address)
     datastore.set_endpoints([endpoint])
-    holder = RuntimeHolder(datastore)
+    router = Router(datastore)
+    holder = router.runtimes
     runtime = holder.load_text(config(block_size=16, ttl="0s"))  # only events count
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
     try:
         await holder.start()
-        salted = request(PROMPT * 2, "s1", salt="tenant-a")
-        result = schedule(runtime, salted, datastore.snapshot())
+        salted = await router.route(body(PROMPT * 2, salt="tenant-a"), "s1")  # its pre-request maps the scope
         await publisher.subscribed()
-        pre_request(runtime, salted, result)
         publisher.publish(stored(PROMPT * 2, 16))  # the engine's event carries no salt
         salted_keys = token_block_hashes(PROMPT * 2, 16, chain_seed(MODEL, "tenant-a"))
         await until(lambda: scorer.index.score(salted_keys, [endpoint.address]) == [1.0], what="the salted chain")
-        plain = schedule(runtime, request(PROMPT * 2, "p1"), datastore.snapshot())
+        plain = await router.pick(body(PROMPT * 2), "p1")
         assert plain.profile_results["default"].scores[scorer.name] == [0.0]
+        salted.finish()
     finally:
         await holder.stop()
         await publisher.close()

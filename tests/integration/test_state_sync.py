@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from picker.datastore.store import Datastore
 from picker.discovery.static import parse_endpoint_flag
 from picker.prefix.index import PrefixIndex
+from picker.prefix.plugins import index_key
 from picker.prefix.ttft import TtftModel
 from picker.state.messages import decode_batch
 from picker.state.sync import SharedIndex, SharedTtft, StateSync, stream_name
@@ -22,7 +23,7 @@ from picker.telemetry import metrics
 from tests.redis_server import RedisServer, start_redis
 
 ENDPOINTS = ("10.0.0.5:8000", "10.0.0.6:8000")
-INDEX = "prefix/approx-index:31250:30.0"
+INDEX = index_key("approx-prefix-cache-producer")  # the default config's producer
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 
 from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
-from picker.requestcontrol.director import schedule
 from picker.telemetry.metrics import CONFIG_RELOADS
-from tests.unit.test_scheduling_plugins import request, state
+from tests.routing import Router, completion
+from tests.unit.test_scheduling_plugins import state
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
 BY_KV = HEADER + "plugins: [{type: kv-cache-utilization-scorer}]\n"  # picks the low-KV endpoint
@@ -55,7 +55,9 @@ async def test_watch_swaps_valid_configs_and_keeps_the_old_one_on_errors(tmp_pat
     (tmp_path / "config.yaml").symlink_to("..data/config.yaml")
     path = tmp_path / "config.yaml"
 
-    holder = RuntimeHolder()
+    router = Router()
+    router.set_endpoints({LOW_KV.address: LOW_KV.metrics, SHORT_QUEUE.address: SHORT_QUEUE.metrics})
+    holder = router.runtimes
     holder.load_file(path)
     last_pick: list[str] = []
     failures: list[BaseException] = []
@@ -65,7 +67,7 @@ async def test_watch_swaps_valid_configs_and_keeps_the_old_one_on_errors(tmp_pat
         nonlocal decisions
         while True:
             try:
-                result = schedule(holder.current, request(), [LOW_KV, SHORT_QUEUE])
+                result = await router.pick(completion("hi"))
                 last_pick[:] = [result.targets[0].address]
                 decisions += 1
             except Exception as error:  # recorded: the test asserts there were none

@@ -34,14 +34,23 @@ def test_snapshots_add_the_other_processes_counts_to_the_own() -> None:
     assert [s.in_flight_requests for s in store.snapshot([B, A])] == [1, 2]
 
 
-def test_state_sync_hears_of_every_acquire_and_release() -> None:
+def test_every_in_flight_listener_hears_of_every_acquire_and_release_until_removed() -> None:
     store = datastore()
     calls: list[int] = []
-    store.in_flight_listener = lambda: calls.append(store.in_flight(A))
+    others: list[int] = []
+
+    def listener() -> None:
+        calls.append(store.in_flight(A))
+
+    store.add_in_flight_listener(listener)
+    store.add_in_flight_listener(lambda: others.append(store.in_flight(A)))
     store.acquire(A, 1)
     store.acquire(A, 1)
     store.release(A, 1)
-    assert calls == [1, 2, 1]
+    assert calls == others == [1, 2, 1]
+    store.remove_in_flight_listener(listener)
+    store.release(A, 1)
+    assert calls == [1, 2, 1] and others == [1, 2, 1, 0]
 
 
 def test_flow_control_hears_when_other_processes_free_capacity() -> None:

@@ -23,12 +23,12 @@ from picker.prefix.plugins import (
     ENGINE_CACHED_TOKENS_KEY,
     PREFIX_MATCH_KEY,
     PROMPT_BLOCKS_KEY,
-    TTFT_MODEL_KEY,
     ApproxPrefixCacheProducer,
     CacheFitScorer,
     PrefixCacheScorer,
     PrefixMatch,
     TtftCostScorer,
+    ttft_model_key,
 )
 from picker.prefix.prompt_blocks import CHARS, TOKENS
 from picker.prefix.ttft import TtftModel
@@ -404,26 +404,59 @@ schedulingProfiles:
 """
 
 
-def test_configs_load_and_the_index_survives_a_reload() -> None:
-    from picker.config.runtime import RuntimeHolder
-    from picker.requestcontrol.director import schedule
+async def test_configs_load_and_the_index_survives_a_reload() -> None:
+    from tests.routing import Router, completion
 
-    store = _store()
-    holder = RuntimeHolder(store)
+    router = Router(_store())
+    holder = router.runtimes
     default = holder.current  # the reference default: prefix-cache-scorer auto-creates its producer
     assert any(isinstance(p, ApproxPrefixCacheProducer) for p in default.plugins.values())
     runtime = holder.load_text(CONFIG)
     producer = runtime.plugins["approx-prefix-cache-producer"]
     assert isinstance(producer, ApproxPrefixCacheProducer) and producer.config.max_load_factor == 1.5
-    request = _completion("cfg", PROMPT)
-    result = schedule(runtime, request, store.snapshot())
-    for step in runtime.pre_request:
-        step.plugin.pre_request(request, result)
+    result = await router.pick(completion(PROMPT), "cfg")  # its pre-request hook records the prompt
     assert result.cycle_state[PROMPT_BLOCKS_KEY].kind == TOKENS
-    reloaded = holder.load_text(CONFIG)
-    again = schedule(reloaded, _completion("cfg2", PROMPT), store.snapshot())
+    holder.load_text(CONFIG)
+    again = await router.pick(completion(PROMPT), "cfg2")
     assert again.targets[0].address == result.targets[0].address
     assert max(again.profile_results["default"].scores["prefix-cache-scorer"]) == 1.0
+
+
+HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+async def test_a_reload_that_changes_the_index_capacity_keeps_the_warm_index_and_resizes_it() -> None:
+    from picker.config.runtime import RuntimeHolder
+
+    holder = RuntimeHolder(_store())
+    text = HEADER + (
+        "plugins: [{type: prefix-cache-scorer},"
+        " {type: approx-prefix-cache-producer, parameters: {autoTune: false, lruCapacityPerServer: 100}}]\n"
+    )
+    holder.load_text(text)
+    await holder.start()
+    index = holder.current.plugins["approx-prefix-cache-producer"].index
+    blocks = list(range(100))
+    index.insert(ADDRESSES[0], blocks)
+    holder.load_text(text.replace("lruCapacityPerServer: 100", "lruCapacityPerServer: 60"))
+    await holder.settle()
+    assert holder.current.plugins["approx-prefix-cache-producer"].index is index
+    assert (index.default_capacity, len(index)) == (60, 60)
+    assert index.match(blocks) == {ADDRESSES[0]: 60}  # the prefix's head stays, its tail went
+    await holder.stop()
+
+
+def test_producers_by_different_names_keep_their_own_index_and_ttft_model() -> None:
+    from picker.config.runtime import RuntimeHolder
+
+    runtime = RuntimeHolder(_store()).load_text(
+        HEADER + "plugins: [{name: first, type: approx-prefix-cache-producer},"
+        " {name: second, type: approx-prefix-cache-producer}, {type: ttft-cost-scorer}]\n"
+    )
+    first, second, scorer = (runtime.plugins[name] for name in ("first", "second", "ttft-cost-scorer"))
+    assert isinstance(first, ApproxPrefixCacheProducer) and isinstance(second, ApproxPrefixCacheProducer)
+    assert first.index is not second.index and first.ttft is not second.ttft  # equal parameters
+    assert isinstance(scorer, TtftCostScorer) and scorer.model is first.ttft  # the first configured producer's
 
 
 def test_ttft_priors_follow_the_installed_config_not_a_rejected_one() -> None:
@@ -498,7 +531,7 @@ def test_responses_teach_the_ttft_model_the_endpoints_prefill_rate() -> None:
     clock = [0.0]
     model = TtftModel(clock=lambda: clock[0])
     handle = Handle(store)
-    handle.persistent(TTFT_MODEL_KEY, lambda: model)  # the producer gets this persistent model
+    handle.persistent(ttft_model_key("approx-prefix-cache-producer"), lambda: model)  # the producer's model
     producer = _producer(handle, tokenizers={"m": "builtin"})
     scheduler = _scheduler(producer)
     address = ADDRESSES[0]
@@ -520,7 +553,8 @@ def test_the_ttft_model_trusts_engine_reported_cache_over_the_approximate_guess(
     replaces the approximate index's guess: an engine that evicted the prefix is not 'cached'."""
     store = _store(ADDRESSES[:2])
     producer = _producer(Handle(store), tokenizers={"m": "builtin"})
-    ttft = TtftCostScorer("ttft-cost-scorer", TtftModel())
+    model = TtftModel()
+    ttft = TtftCostScorer("ttft-cost-scorer", lambda: model)
     scheduler = _scheduler(producer)
     first = _completion("t1", PROMPT)
     producer.pre_request(first, scheduler.schedule(first, store.snapshot()))
@@ -544,7 +578,7 @@ def test_a_pick_adds_to_the_backlog_what_the_prediction_counted_uncached() -> No
     store = _store(ADDRESSES[:2])
     model = TtftModel(clock=lambda: 0.0)  # no time passes: nothing drains
     handle = Handle(store)
-    handle.persistent(TTFT_MODEL_KEY, lambda: model)
+    handle.persistent(ttft_model_key("approx-prefix-cache-producer"), lambda: model)
     producer = _producer(handle, tokenizers={"m": "builtin"})
     scheduler = _scheduler(producer)
     first = _completion("b1", PROMPT)
@@ -563,7 +597,8 @@ def test_a_pick_adds_to_the_backlog_what_the_prediction_counted_uncached() -> No
 def test_the_decision_log_explains_predicted_and_observed_ttft() -> None:
     store = _store(ADDRESSES[:2])
     producer = _producer(Handle(store), tokenizers={"m": "builtin"})
-    ttft = WeightedScorer(TtftCostScorer("ttft-cost-scorer", TtftModel()), 1.0)
+    model = TtftModel()
+    ttft = WeightedScorer(TtftCostScorer("ttft-cost-scorer", lambda: model), 1.0)
     log = DecisionLog()
     profile = SchedulerProfile("default", [], [ttft], MaxScorePicker("max-score-picker", rng=random.Random(0)))
     scheduler = _PreparingScheduler(

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointState
 from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
@@ -18,7 +17,7 @@ from picker.plugins import REGISTRY
 from picker.prefix.plugins import PREFIX_MATCH_KEY, PrefixMatch
 from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 from picker.prefix.session import SessionAffinityScorer, SessionTable
-from picker.requestcontrol.director import schedule
+from tests.routing import CHAT, Router, chat
 from tests.unit.test_scheduling_plugins import state
 
 
@@ -119,7 +118,9 @@ async def test_from_a_config_sessions_survive_a_reload_and_departed_endpoints_ar
     datastore = Datastore()
     pods = [Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)]
     datastore.set_endpoints(pods)
-    holder = RuntimeHolder(datastore)
+    router = Router(datastore)
+    holder = router.runtimes
+    body = chat([{"role": "user", "content": "hi"}], prompt_cache_key="conv")
     text = (
         "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
         "plugins: [{type: session-affinity-scorer}, {type: queue-scorer}]\n"
@@ -128,15 +129,12 @@ async def test_from_a_config_sessions_survive_a_reload_and_departed_endpoints_ar
     )
     await holder.start()
     try:
-        runtime = holder.load_text(text)
-        first = turn({"prompt_cache_key": "conv"})
-        result = schedule(runtime, first, datastore.snapshot())
-        for step in runtime.pre_request:
-            step.plugin.pre_request(first, result)
+        holder.load_text(text)
+        result = await router.pick(body, "first", path=CHAT)  # its pre-request hook records the session
         chosen = result.targets[0].address
         reloaded = holder.load_text(text + "# reloaded\n")
         await holder.settle()
-        again = schedule(reloaded, turn({"prompt_cache_key": "conv"}), datastore.snapshot())
+        again = await router.pick(body, "again", path=CHAT)
         assert again.targets[0].address == chosen
         datastore.set_endpoints([p for p in pods if p.address != chosen])
         plugin = reloaded.plugins["session-affinity-scorer"]

@@ -11,6 +11,7 @@ from picker.framework.request import Api, InferenceRequest
 from picker.prefix.plugins import (
     PREDICTED_TTFT,
     PREFIX_MATCH_KEY,
+    ApproxPrefixCacheProducer,
     PrefixMatch,
     TtftCostScorer,
 )
@@ -46,6 +47,8 @@ def _cycle(prompt_tokens: int, cached_blocks: int, block: int = 16) -> CycleStat
 
 
 def _scorer() -> TtftCostScorer:
+    handle = Handle()  # as the loader builds a config: the producer whose TTFT model the scorer reads
+    handle.add_plugin(ApproxPrefixCacheProducer.create("approx-prefix-cache-producer", {}, handle))
     scorer = TtftCostScorer.create(
         "ttft",
         {
@@ -53,7 +56,7 @@ def _scorer() -> TtftCostScorer:
             "drainTokensPerSecond": 5000,
             "typicalPromptTokens": 512,
         },
-        Handle(),
+        handle,
     )
     assert isinstance(scorer, TtftCostScorer)
     return scorer

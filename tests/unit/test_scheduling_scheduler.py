@@ -28,12 +28,13 @@ from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.plugins import REGISTRY
 from picker.request.errors import RequestError
 from picker.request.openai import OBJECTIVE_HEADER
-from picker.requestcontrol.director import Director, RoutedRequest, schedule
+from picker.requestcontrol.director import Director, RoutedRequest
 from picker.scheduling.pickers import MaxScorePicker
 from picker.scheduling.profile_handler import SingleProfileHandler
 from picker.scheduling.scheduler import PLUGIN_TIMING_SAMPLE, Scheduler, SchedulerProfile, WeightedScorer
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import PLUGIN_DURATION, SCHEDULER_E2E
+from tests.routing import Router, completion
 from tests.unit.test_scheduling_plugins import request, state
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -114,7 +115,9 @@ class KeyProducer(DataProducer):
         cycle_state[next(iter(self.produces))] = [cycle_state.read(c) for c in self.consumes]
 
 
-def test_producers_run_before_scoring_and_a_failure_does_not_fail_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_producers_run_before_scoring_and_a_failure_does_not_fail_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     first, broken = KeyProducer("first", A), KeyProducer("broken", B, fail=True)
     second = KeyProducer("second", C, consumes=(A,))
     producers = {p.name: p for p in (first, broken, second)}
@@ -123,11 +126,13 @@ def test_producers_run_before_scoring_and_a_failure_does_not_fail_the_request(mo
         "test-producer",
         Registration("test-producer", lambda name, parameters, handle: producers[name]),
     )
-    runtime = RuntimeHolder().load_text(
+    router = Router()
+    router.set_endpoints([state(1).address])
+    router.runtimes.load_text(
         HEADER + "plugins: [{type: queue-scorer}, {name: first, type: test-producer},"
         " {name: broken, type: test-producer}, {name: second, type: test-producer}]\n"
     )
-    result = schedule(runtime, request(), [state(1)])
+    result = await router.pick(completion("hi"))
     assert result.cycle_state[A] == [] and result.cycle_state[C] == [[]]
     assert B not in result.cycle_state
 
@@ -156,19 +161,16 @@ def test_schedule_observes_e2e_and_plugin_durations() -> None:
     assert [r.timed for r in results].count(True) == 2
 
 
-def test_burst_with_stale_metrics_spreads_over_endpoints() -> None:
+async def test_burst_with_stale_metrics_spreads_over_endpoints() -> None:
     """Metrics lag 50 ms: picks in between must see the picker's own in-flight counts."""
-    store = Datastore()
-    store.set_endpoints(Endpoint(f"10.0.0.{i}", 8000) for i in range(1, 5))
-    for address in store.endpoints():
-        store.set_metrics(address, EndpointMetrics(update_time=1.0))  # one old scrape: all idle
-    runtime = RuntimeHolder(store).current  # the default config
+    router = Router()  # the default config
+    addresses = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+    router.set_endpoints({address: EndpointMetrics(update_time=1.0) for address in addresses})  # one old scrape
     picks = Counter()
-    for _ in range(8):
-        target = schedule(runtime, request(), store.snapshot()).targets[0]
-        store.acquire(target.address, 10)
-        picks[target.address] += 1
-    assert picks == {address: 2 for address in store.endpoints()}
+    for i in range(8):
+        routed = await router.route(completion("hi"), f"r{i}")  # in flight until the end
+        picks[routed.targets[0]] += 1
+    assert picks == {address: 2 for address in addresses}
 
 
 class Recorder(PreRequest, ResponseComplete):
@@ -195,11 +197,12 @@ async def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyP
     holder.set_objectives({"critical": 10, "batch": -1, "unset": None})
     runtime = holder.load_text(HEADER + "plugins: [{type: queue-scorer}, {type: test-recorder}]\n")
     director = Director(store, holder)
-    assert runtime.priority(request(objective="batch")) == -1
-    assert runtime.priority(request(objective="critical")) == 10
-    assert runtime.priority(request(objective="unset")) == 0
-    assert runtime.priority(request(objective="unknown")) == 0
-    assert runtime.priority(request()) == 0
+    objectives = holder.objectives
+    assert objectives.priority(request(objective="batch")) == -1
+    assert objectives.priority(request(objective="critical")) == 10
+    assert objectives.priority(request(objective="unset")) == 0
+    assert objectives.priority(request(objective="unknown")) == 0
+    assert objectives.priority(request()) == 0
     assert runtime.saturation_detector.saturation([state(1, waiting=5)]) == 1.0
     assert runtime.saturation_detector.saturation([state(1, waiting=1)]) == pytest.approx(0.2)
     saturated, stale, idle = state(1, waiting=5), state(1, age=None), state(1, waiting=1)
@@ -222,12 +225,17 @@ async def test_runtime_hooks_priority_and_saturation(monkeypatch: pytest.MonkeyP
     assert Recorder.calls == [("pre", "10.0.0.1:8000"), ("done", "10.0.0.1:8000")]
 
 
-def test_holder_objectives_apply_to_the_current_runtime() -> None:
+def test_objectives_are_swapped_whole_and_survive_a_reload_without_touching_a_runtime() -> None:
     holder = RuntimeHolder()
+    runtime, before = holder.current, holder.objectives
     holder.set_objectives({"batch": -5})
-    assert holder.current.priority(request(objective="batch")) == -5
+    assert holder.objectives.priority(request(objective="batch")) == -5
+    assert before.priority(request(objective="batch")) == 0  # a request that read the old value keeps it
+    assert holder.current is runtime
     holder.load_text("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: [{type: queue-scorer}]\n")
-    assert holder.current.priority(request(objective="batch")) == -5  # survives a reload
+    assert holder.objectives.priority(request(objective="batch")) == -5  # survives a reload
+    with pytest.raises(AttributeError):
+        holder.current.parser = runtime.parser  # type: ignore[misc]  # a built runtime is immutable
 
 
 def test_decision_log_records_scores_and_is_bounded() -> None:
@@ -306,3 +314,20 @@ def test_a_scorer_returning_the_wrong_number_of_scores_is_named() -> None:
         scheduler(WeightedScorer(FixedScorer("short", [1.0]), 1.0)).schedule(
             request(), [state(1), state(2)], CycleState()
         )
+
+
+async def test_the_director_leaves_stale_endpoints_out_unless_none_is_fresh() -> None:
+    fresh, stale = "10.0.0.1:8000", "10.0.0.2:8000"
+    scraped = Router(staleness_threshold=60.0)
+    scraped.set_endpoints(
+        {
+            fresh: EndpointMetrics(waiting_queue_size=4, update_time=time.monotonic()),
+            stale: EndpointMetrics(update_time=1.0),
+        }
+    )
+    for i in range(3):  # the stale one's empty queue would win, and nothing is finished
+        assert (await scraped.route(completion("hi"), f"r{i}")).destination == fresh
+    unscraped = Router(staleness_threshold=60.0)  # nothing scrapes: no endpoint is fresh, all stay
+    unscraped.set_endpoints([fresh, stale])
+    picks = {(await unscraped.route(completion("hi"), f"r{i}")).destination for i in range(2)}
+    assert picks == {fresh, stale}  # spread by the picker's own in-flight counts

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from picker.config.runtime import RuntimeHolder
 from picker.datalayer.plugins import DataSource, ScrapeSettings, scrape_settings
 from picker.datastore.store import Datastore
+from picker.requestcontrol.director import Director
 from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, check_workers, log_settings
 from picker.telemetry.logging import TRACE, VERBOSE
 
@@ -336,3 +338,13 @@ def test_the_config_s_metrics_source_parameters_override_the_flags_which_overrid
     partly = scrape_settings(data_sources("{path: /engine/metrics}"), flags)
     assert partly == ScrapeSettings("/engine/metrics", "https", False, port=8001)
     assert scrape_settings((), flags) is None  # sources: [] turns scraping off
+
+
+def test_the_pool_saturation_gauge_reads_the_servers_flow_control_whatever_is_built_after() -> None:
+    picker = server()
+    picker.runtimes.load_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\n"
+    )
+    Director(Datastore(), RuntimeHolder())  # built later, e.g. by a benchmark in the process: the gate off, 0.0
+    saturation = REGISTRY.get_sample_value("inference_extension_flow_control_pool_saturation", {"inference_pool": ""})
+    assert saturation == 1.0  # the server's pool: nothing in it yet, so saturated as its gate sees it
