@@ -128,10 +128,8 @@ class ExtProcServer:
         for event in self._core.drain():
             try:
                 self._handle(event)
-            except Exception:
-                # A bug must cost one request, never the stream's peers or the process.
-                log.exception("ext_proc stream failed")
-                self._fail(event[1], _internal_error())
+            except Exception as error:
+                self._failed(event[1], error)
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -182,11 +180,8 @@ class ExtProcServer:
     async def _route(self, stream: int, body: bytes, headers: Mapping[str, str], subset: list[str] | None) -> None:
         try:
             routed = await self.director.route(body, headers, subset)
-        except RequestError as e:
-            self._fail(stream, e)
-        except Exception:
-            log.exception("ext_proc stream failed")
-            self._fail(stream, _internal_error())
+        except Exception as error:
+            self._failed(stream, error)
         else:
             self._answer(stream, routed, body)
         finally:
@@ -201,6 +196,16 @@ class ExtProcServer:
         metadata = runtime is not None and bool(runtime.response_metadata)
         replaced = None if routed.body is body or body is None else routed.body
         self._core.route(stream, routed.destination, replaced, chunks, metadata)
+
+    def _failed(self, stream: int, error: Exception) -> None:
+        """The one failure policy of every director call: a RequestError is answered as the
+        reference answers it (its status and OpenAI-style body); anything else is a bug, which
+        must cost this request only (never the stream's peers or the process): logged, and
+        answered as an internal error."""
+        if not isinstance(error, RequestError):
+            log.error("ext_proc stream failed", exc_info=error)
+            error = _internal_error()
+        self._fail(stream, error)
 
     def _fail(self, stream: int, error: RequestError) -> None:
         """Answer the client with `error`; the request, if routed, ends with its code."""
