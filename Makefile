@@ -47,11 +47,18 @@ test: install check
 	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
 
-# Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/.
+# Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/;
+# for the core: rustfmt, clippy (warnings are errors) and its Rust unit tests (the stream state
+# machine), whose build links the venv's libpython (PYO3_PYTHON).
+CORE_CARGO := cd native/extproc && PYO3_PYTHON=$(abspath $(BIN)/python) cargo
 check: install
 	$(BIN)/ruff check picker tests
 	$(BIN)/ruff format --check picker tests
 	$(BIN)/mypy
+	cargo clippy --version >/dev/null 2>&1 && cargo fmt --version >/dev/null 2>&1 || rustup component add clippy rustfmt
+	$(CORE_CARGO) fmt --check
+	$(CORE_CARGO) clippy --locked --all-targets -- -D warnings
+	$(CORE_CARGO) test --locked
 
 demo: $(DEMO_STAMP) $(CORE_STAMP)
 	$(BIN)/picker demo

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::Struct;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Status, Streaming};
 
 use crate::bridge::{Answer, Bridge};
@@ -84,6 +85,32 @@ struct StreamState {
 }
 
 impl StreamState {
+    fn new(bridge: Arc<Bridge>, settings: Settings, out: mpsc::Sender<Result<ProcessingResponse, Status>>) -> Self {
+        Self {
+            id: bridge.new_stream_id(),
+            bridge,
+            settings,
+            out,
+            request_mode: BUFFERED,
+            response_mode: 0,
+            send_body_early: false,
+            headers: Vec::new(),
+            subset: None,
+            body: Vec::new(),
+            chunks: 0,
+            routed: false,
+            reported_end: false,
+            asked: false,
+            report_chunks: false,
+            ask_metadata: false,
+            request_ended: false,
+            response_ended: false,
+            pending: Vec::new(),
+            pending_served: None,
+            first_byte_at: None,
+        }
+    }
+
     async fn send(&self, response: ProcessingResponse) -> Step {
         self.out.send(Ok(response)).await.map_err(|_| Stop::Gone)
     }
@@ -366,16 +393,17 @@ impl StreamState {
         }
     }
 
-    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+    /// Serve the stream's messages (`inbound`: gRPC's request stream) until its exchange is over.
+    async fn run(mut self, mut inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin) {
         let error = loop {
             let message = tokio::select! {
-                message = inbound.message() => message,
+                message = inbound.next() => message,
                 _ = self.out.closed() => break Some("cancelled"),
             };
             let req = match message {
-                Ok(Some(req)) => req,
-                Ok(None) => break None, // the proxy half-closed
-                Err(_) => break Some("cancelled"),
+                Some(Ok(req)) => req,
+                None => break None, // the proxy half-closed
+                Some(Err(_)) => break Some("cancelled"),
             };
             match self.dispatch(req).await {
                 Ok(()) if self.exchange_ended() => {
@@ -436,29 +464,7 @@ impl ExternalProcessor for Service {
         let bridge = self.bridge.clone();
         bridge.streams_active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let guard = ActiveGuard(bridge.clone());
-        let state = StreamState {
-            id: bridge.new_stream_id(),
-            bridge,
-            settings: self.settings,
-            out,
-            request_mode: BUFFERED,
-            response_mode: 0,
-            send_body_early: false,
-            headers: Vec::new(),
-            subset: None,
-            body: Vec::new(),
-            chunks: 0,
-            routed: false,
-            reported_end: false,
-            asked: false,
-            report_chunks: false,
-            ask_metadata: false,
-            request_ended: false,
-            response_ended: false,
-            pending: Vec::new(),
-            pending_served: None,
-            first_byte_at: None,
-        };
+        let state = StreamState::new(bridge, self.settings, out);
         let inbound = request.into_inner();
         tokio::spawn(async move {
             let _guard = guard;
@@ -467,3 +473,7 @@ impl ExternalProcessor for Service {
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;
