@@ -52,11 +52,17 @@ test: install check
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/,
-# sim/ and bench/.
+# sim/ and bench/; for the core: rustfmt, clippy (warnings are errors) and its Rust unit tests
+# (the stream state machine), whose build links the venv's libpython (PYO3_PYTHON).
+CORE_CARGO := cd native/extproc && PYO3_PYTHON=$(abspath $(BIN)/python) cargo
 check: install
 	$(BIN)/ruff check picker sim bench tests
 	$(BIN)/ruff format --check picker sim bench tests
 	$(BIN)/mypy
+	cargo clippy --version >/dev/null 2>&1 && cargo fmt --version >/dev/null 2>&1 || rustup component add clippy rustfmt
+	$(CORE_CARGO) fmt --check
+	$(CORE_CARGO) clippy --locked --all-targets -- -D warnings
+	$(CORE_CARGO) test --locked
 
 demo: $(DEMO_STAMP) $(CORE_STAMP)
 	$(BIN)/picker demo

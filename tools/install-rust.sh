@@ -11,4 +11,6 @@ trap 'rm -rf "$tmp"' EXIT
 "$python" -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
   "https://static.rust-lang.org/rustup/dist/$(uname -m)-unknown-linux-gnu/rustup-init" "$tmp/rustup-init"
 chmod +x "$tmp/rustup-init"
-"$tmp/rustup-init" -y --no-modify-path --profile minimal --default-toolchain "$RUST_VERSION"
+# clippy and rustfmt: `make check` runs them on the core.
+"$tmp/rustup-init" -y --no-modify-path --profile minimal --default-toolchain "$RUST_VERSION" \
+  --component clippy,rustfmt

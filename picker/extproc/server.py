@@ -5,8 +5,8 @@ own thread: the state machine of each body mode, the answers Envoy gets, TLS and
 service on the port. It asks this side once per request for the pick (`Director.route`, which
 may wait in flow control) and reports what the response teaches (status, the endpoint that
 served it, body bytes for usage and TTFT, how it ended) to the request's `RoutedRequest`.
-Events cross in batches: the core wakes the loop through a descriptor only when its queue goes
-non-empty, and `_drain` handles all that waits.
+Events cross in batches, one class per kind (`picker_extproc_core.pyi`): the core wakes the loop
+through a descriptor only when its queue goes non-empty, and `_drain` handles all that waits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, assert_never
 
 import picker_extproc_core as core
 
@@ -126,53 +126,47 @@ class ExtProcServer:
 
     def _drain(self) -> None:
         for event in self._core.drain():
+            if isinstance(event, core.Log):
+                log.log(event.level, "%s", event.message)
+                continue
             try:
                 self._handle(event)
-            except Exception:
-                # A bug must cost one request, never the stream's peers or the process.
-                log.exception("ext_proc stream failed")
-                self._fail(event[1], _internal_error())
+            except Exception as error:
+                self._failed(event.id, error)
 
-    def _handle(self, event: tuple[Any, ...]) -> None:
-        kind = event[0]
-        if kind == core.ROUTE:
-            _, stream, body, headers, subset = event
-            self._routing[stream] = asyncio.create_task(self._route(stream, body, headers, subset))
-        elif kind == core.RESPONSE_BODY:
-            _, stream, data, end_of_stream, served, first_byte_at, asks = event
-            metadata = None
-            if (routed := self._reported(stream, end_of_stream)) is not None:
-                metadata = routed.response_body(data, end_of_stream, served, first_byte_at)
-            if asks:  # the answer to this chunk waits for what the response-metadata hooks report
-                self._core.metadata(stream, _plain(metadata))
-        elif kind == core.RESPONSE_HEADERS:
-            _, stream, status, served, content_type, end_of_stream = event
-            if (routed := self._reported(stream, end_of_stream)) is not None:
-                routed.response_headers(status, served, content_type, end_of_stream)
-        elif kind == core.RESPONSE_TRAILERS:
-            _, stream, asks = event
-            metadata = None
-            if (routed := self._reported(stream, True)) is not None:
-                metadata = routed.response_trailers()
-            if asks:
-                self._core.metadata(stream, _plain(metadata))
-        elif kind == core.CLOSED:
-            _, stream, error = event
-            task = self._routing.pop(stream, None)
-            if task is not None:
-                task.cancel()  # the client is gone: leave the flow-control queue
-            unfinished = self._routed.pop(stream, None)
-            if unfinished is not None:
-                unfinished.finish(error)
-        elif kind == core.ROUTE_WITHOUT_BODY:
-            _, stream, subset = event
-            self._answer(stream, self.director.route_without_body(subset), None)
-        elif kind == core.FAIL:
-            _, stream, code, message = event
-            self._fail(stream, RequestError(code, message))
-        elif kind == core.LOG:
-            _, level, message = event
-            log.log(level, "%s", message)
+    def _handle(self, event: core.StreamEvent) -> None:
+        match event:
+            case core.Route():
+                routing = self._route(event.id, event.body, event.headers, event.subset)
+                self._routing[event.id] = asyncio.create_task(routing)
+            case core.ResponseBody():
+                metadata = None
+                if (routed := self._reported(event.id, event.end_of_stream)) is not None:
+                    metadata = routed.response_body(event.data, event.end_of_stream, event.served, event.first_byte_at)
+                if event.asks:  # the answer to this chunk waits for what the response-metadata hooks report
+                    self._core.metadata(event.id, _plain(metadata))
+            case core.ResponseHeaders():
+                if (routed := self._reported(event.id, event.end_of_stream)) is not None:
+                    routed.response_headers(event.status, event.served, event.content_type, event.end_of_stream)
+            case core.ResponseTrailers():
+                metadata = None
+                if (routed := self._reported(event.id, True)) is not None:
+                    metadata = routed.response_trailers()
+                if event.asks:
+                    self._core.metadata(event.id, _plain(metadata))
+            case core.Closed():
+                task = self._routing.pop(event.id, None)
+                if task is not None:
+                    task.cancel()  # the client is gone: leave the flow-control queue
+                unfinished = self._routed.pop(event.id, None)
+                if unfinished is not None:
+                    unfinished.finish(event.error)
+            case core.RouteWithoutBody():
+                self._answer(event.id, self.director.route_without_body(event.subset), None)
+            case core.Fail():
+                self._fail(event.id, RequestError(event.code, event.message))
+            case _:
+                assert_never(event)
 
     def _reported(self, stream: int, end: bool) -> RoutedRequest | None:
         """The request a response event is about, forgotten at the response's end (None once a
@@ -182,11 +176,8 @@ class ExtProcServer:
     async def _route(self, stream: int, body: bytes, headers: Mapping[str, str], subset: list[str] | None) -> None:
         try:
             routed = await self.director.route(body, headers, subset)
-        except RequestError as e:
-            self._fail(stream, e)
-        except Exception:
-            log.exception("ext_proc stream failed")
-            self._fail(stream, _internal_error())
+        except Exception as error:
+            self._failed(stream, error)
         else:
             self._answer(stream, routed, body)
         finally:
@@ -201,6 +192,16 @@ class ExtProcServer:
         metadata = runtime is not None and bool(runtime.response_metadata)
         replaced = None if routed.body is body or body is None else routed.body
         self._core.route(stream, routed.destination, replaced, chunks, metadata)
+
+    def _failed(self, stream: int, error: Exception) -> None:
+        """The one failure policy of every director call: a RequestError is answered as the
+        reference answers it (its status and OpenAI-style body); anything else is a bug, which
+        must cost this request only (never the stream's peers or the process): logged, and
+        answered as an internal error."""
+        if not isinstance(error, RequestError):
+            log.error("ext_proc stream failed", exc_info=error)
+            error = _internal_error()
+        self._fail(stream, error)
 
     def _fail(self, stream: int, error: RequestError) -> None:
         """Answer the client with `error`; the request, if routed, ends with its code."""

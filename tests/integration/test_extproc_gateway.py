@@ -12,21 +12,43 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
+from picker.workers.metrics import parse_page
 from picker_bench.envoy import MANIFESTS, EnvoyProcess, envoy_binary, picker_config
 from picker_bench.process import free_port, wait_until
-from tests.stack import health_status, start_picker
+from tests.stack import Picker, health_status, start_picker
 
 
 def post(url: str, body: dict, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})}
     )
+    return send(req, timeout)
+
+
+def get(url: str, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict]:
+    """A headers-only request: the picker routes it without a body."""
+    return send(urllib.request.Request(url, headers=headers or {}), timeout)
+
+
+def send(req: urllib.request.Request, timeout: float) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         raw = e.read()
         return e.code, json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode()}
+
+
+def assert_unavailable_not_internal(picker: Picker, status: int, answer: dict) -> None:
+    """The reference's 503 for a request no endpoint can take, and no sign of a picker bug:
+    no internal error counted, no traceback logged."""
+    assert status == 503 and answer["error"]["code"] == "ServiceUnavailable", (status, answer)
+    with urllib.request.urlopen(f"http://127.0.0.1:{picker.metrics_port}/metrics", timeout=5) as r:
+        samples = [s for family in parse_page(r.read().decode()) for s in family.samples]
+    assert not [
+        s for s in samples if s.name == "picker_extproc_stream_errors_total" and s.labels["reason"] == "Internal"
+    ]
+    assert "Traceback" not in picker.process.log_path.read_text()
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in MANIFESTS.glob("*.yaml")))
@@ -83,6 +105,11 @@ def test_subset_hint_is_honoured_and_an_empty_match_is_503(backends, log_dir: Pa
                 assert status == 200 and answer["backend"] == target
         status, answer = post(url, {"model": "m", "prompt": "p"}, {"x-test-subset": "127.0.0.1:1"})
         assert status == 503 and answer["error"]["code"] == "ServiceUnavailable"
+        # A headers-only request is picked without its body, and refused the same way.
+        status, answer = get(envoy.url + "/v1/models", {"x-test-subset": "127.0.0.1:1"})
+        assert_unavailable_not_internal(picker, status, answer)
+        status, answer = get(envoy.url + "/v1/models", {"x-test-subset": addresses[0]})
+        assert status == 200 and answer["backend"] == addresses[0]
     finally:
         envoy.stop()
         picker.stop()
@@ -105,6 +132,7 @@ def test_no_endpoints_gives_503_until_the_file_lists_one(backends, log_dir: Path
         url = envoy.url + "/v1/completions"
         status, answer = post(url, {"model": "m", "prompt": "p"})
         assert status == 503 and answer["error"]["code"] == "ServiceUnavailable"
+        assert_unavailable_not_internal(picker, *get(envoy.url + "/v1/models"))
         endpoints.write_text(f"- address: {addresses[0]}\n  name: only\n")
         wait_until(lambda: post(url, {"model": "m", "prompt": "p"})[0] == 200, 10, "the file change to apply")
         assert post(url, {"model": "m", "prompt": "p"})[1]["backend"] == addresses[0]

@@ -13,60 +13,10 @@ use std::sync::Mutex;
 use envoy_types::pb::google::protobuf::Struct;
 use tokio::sync::oneshot;
 
-/// What a stream tells Python; `id` names the stream (one HTTP request).
-pub enum Event {
-    /// Pick for this body: answer with `Answer::Route` or `Answer::Reject`.
-    Route {
-        id: u64,
-        body: Vec<u8>,
-        headers: Vec<(String, String)>,
-        subset: Option<Vec<String>>,
-    },
-    /// Pick without a body (headers-only requests, STREAMED mode without the early body).
-    RouteWithoutBody {
-        id: u64,
-        subset: Option<Vec<String>>,
-    },
-    /// The stream broke the protocol (or a limit): answer with `Answer::Reject` (its error body).
-    Fail {
-        id: u64,
-        code: &'static str,
-        message: String,
-    },
-    ResponseHeaders {
-        id: u64,
-        status: u32,
-        served: Option<String>,
-        content_type: String,
-        end_of_stream: bool,
-    },
-    /// Response body bytes since the last such event (chunks coalesced unless Python wants
-    /// each); `asks`: answer with `Answer::Metadata` (the stream's answer to this chunk waits).
-    ResponseBody {
-        id: u64,
-        data: Vec<u8>,
-        end_of_stream: bool,
-        served: Option<String>,
-        first_byte_at: Option<f64>,
-        asks: bool,
-    },
-    ResponseTrailers {
-        id: u64,
-        asks: bool,
-    },
-    /// The stream ended before its response did: `error` None (the proxy half-closed) or "cancelled".
-    Closed {
-        id: u64,
-        error: Option<&'static str>,
-    },
-    /// A line for Python's log (`level` as Python's logging levels).
-    Log {
-        level: u8,
-        message: String,
-    },
-}
+use crate::events::Event;
 
-/// Python's answer to `Event::Route`, `Event::RouteWithoutBody` or `Event::Fail`.
+/// Python's answer to a `Route`, `RouteWithoutBody` or `Fail` event, or to a response event
+/// that `asks`.
 pub enum Answer {
     /// `body`: the body to forward when the director replaced it; `chunks`: report every
     /// response chunk as it passes (response-streaming hooks need them); `metadata`: ask for

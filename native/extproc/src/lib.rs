@@ -2,6 +2,7 @@
 //! decisions (and what the response teaches) in Python. See native/README.md.
 
 mod bridge;
+mod events;
 mod messages;
 mod server;
 mod stream;
@@ -13,21 +14,12 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::PyList;
 
-use bridge::{Answer, Bridge, Event};
+use bridge::{Answer, Bridge};
+use events::Event;
 use server::{Running, ServeOptions, Tls};
 use stream::Settings;
-
-/// Event kinds, the first item of each tuple `drain` returns.
-const ROUTE: u8 = 0;
-const ROUTE_WITHOUT_BODY: u8 = 1;
-const FAIL: u8 = 2;
-const RESPONSE_HEADERS: u8 = 3;
-const RESPONSE_BODY: u8 = 4;
-const RESPONSE_TRAILERS: u8 = 5;
-const CLOSED: u8 = 6;
-const LOG: u8 = 7;
 
 /// One ext_proc server: `serve` starts it on its own thread; the asyncio loop watches
 /// `wake_fd`, calls `drain` for the events, and answers with `route` / `reject`.
@@ -36,57 +28,6 @@ struct Core {
     bridge: Arc<Bridge>,
     settings: Settings,
     running: Mutex<Option<Running>>,
-}
-
-fn event_to_py<'py>(py: Python<'py>, event: Event) -> PyResult<Bound<'py, PyAny>> {
-    Ok(match event {
-        Event::Route {
-            id,
-            body,
-            headers,
-            subset,
-        } => {
-            let map = PyDict::new(py);
-            for (k, v) in headers {
-                map.set_item(k, v)?;
-            }
-            (ROUTE, id, PyBytes::new(py, &body), map, subset)
-                .into_pyobject(py)?
-                .into_any()
-        }
-        Event::RouteWithoutBody { id, subset } => (ROUTE_WITHOUT_BODY, id, subset).into_pyobject(py)?.into_any(),
-        Event::Fail { id, code, message } => (FAIL, id, code, message).into_pyobject(py)?.into_any(),
-        Event::ResponseHeaders {
-            id,
-            status,
-            served,
-            content_type,
-            end_of_stream,
-        } => (RESPONSE_HEADERS, id, status, served, content_type, end_of_stream)
-            .into_pyobject(py)?
-            .into_any(),
-        Event::ResponseBody {
-            id,
-            data,
-            end_of_stream,
-            served,
-            first_byte_at,
-            asks,
-        } => (
-            RESPONSE_BODY,
-            id,
-            PyBytes::new(py, &data),
-            end_of_stream,
-            served,
-            first_byte_at,
-            asks,
-        )
-            .into_pyobject(py)?
-            .into_any(),
-        Event::ResponseTrailers { id, asks } => (RESPONSE_TRAILERS, id, asks).into_pyobject(py)?.into_any(),
-        Event::Closed { id, error } => (CLOSED, id, error).into_pyobject(py)?.into_any(),
-        Event::Log { level, message } => (LOG, level, message).into_pyobject(py)?.into_any(),
-    })
 }
 
 #[pymethods]
@@ -154,12 +95,12 @@ impl Core {
         self.bridge.wake_fd()
     }
 
-    /// The events queued since the last call, as tuples (kind first).
+    /// The events queued since the last call, each an instance of its kind's class.
     fn drain<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.bridge.take();
         let list = PyList::empty(py);
         for event in events {
-            list.append(event_to_py(py, event)?)?;
+            list.append(event.into_py(py)?)?;
         }
         Ok(list)
     }
@@ -218,17 +159,5 @@ impl Core {
 #[pymodule]
 fn picker_extproc_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<Core>()?;
-    for (name, value) in [
-        ("ROUTE", ROUTE),
-        ("ROUTE_WITHOUT_BODY", ROUTE_WITHOUT_BODY),
-        ("FAIL", FAIL),
-        ("RESPONSE_HEADERS", RESPONSE_HEADERS),
-        ("RESPONSE_BODY", RESPONSE_BODY),
-        ("RESPONSE_TRAILERS", RESPONSE_TRAILERS),
-        ("CLOSED", CLOSED),
-        ("LOG", LOG),
-    ] {
-        module.add(name, value)?;
-    }
-    Ok(())
+    Event::register(module)
 }

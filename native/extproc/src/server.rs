@@ -20,7 +20,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use crate::bridge::{Bridge, Event};
+use crate::bridge::Bridge;
+use crate::events::{Event, Log};
 use crate::stream::{Service, Settings};
 
 const WARNING: u8 = 30;
@@ -131,7 +132,7 @@ impl CertificateDirectory {
     }
 
     fn log(&self, level: u8, message: String) {
-        self.bridge.push(Event::Log { level, message });
+        self.bridge.push(Event::Log(Log { level, message }));
     }
 }
 

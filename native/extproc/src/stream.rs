@@ -16,9 +16,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::Struct;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Status, Streaming};
 
-use crate::bridge::{Answer, Bridge, Event};
+use crate::bridge::{Answer, Bridge};
+use crate::events::{Closed, Event, Fail, ResponseBody, ResponseHeaders, ResponseTrailers, Route, RouteWithoutBody};
 use crate::messages::{self as m, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED, STREAMED};
 
 /// Response body bytes held before they are reported even if the response goes on.
@@ -83,6 +85,32 @@ struct StreamState {
 }
 
 impl StreamState {
+    fn new(bridge: Arc<Bridge>, settings: Settings, out: mpsc::Sender<Result<ProcessingResponse, Status>>) -> Self {
+        Self {
+            id: bridge.new_stream_id(),
+            bridge,
+            settings,
+            out,
+            request_mode: BUFFERED,
+            response_mode: 0,
+            send_body_early: false,
+            headers: Vec::new(),
+            subset: None,
+            body: Vec::new(),
+            chunks: 0,
+            routed: false,
+            reported_end: false,
+            asked: false,
+            report_chunks: false,
+            ask_metadata: false,
+            request_ended: false,
+            response_ended: false,
+            pending: Vec::new(),
+            pending_served: None,
+            first_byte_at: None,
+        }
+    }
+
     async fn send(&self, response: ProcessingResponse) -> Step {
         self.out.send(Ok(response)).await.map_err(|_| Stop::Gone)
     }
@@ -102,7 +130,7 @@ impl StreamState {
 
     async fn fail(&mut self, (code, message): (&'static str, String)) -> Stop {
         let id = self.id;
-        match self.ask(Event::Fail { id, code, message }).await {
+        match self.ask(Event::Fail(Fail { id, code, message })).await {
             Ok(Answer::Reject { status, body }) => Stop::Reject(status, body),
             Ok(Answer::Route { .. } | Answer::Metadata(_)) | Err(_) => Stop::Gone,
         }
@@ -165,7 +193,9 @@ impl StreamState {
             // the pick cannot wait for the body.
             let id = self.id;
             let subset = self.subset.clone();
-            let (destination, _) = self.route(Event::RouteWithoutBody { id, subset }).await?;
+            let (destination, _) = self
+                .route(Event::RouteWithoutBody(RouteWithoutBody { id, subset }))
+                .await?;
             return self
                 .send(m::route_in_headers(
                     &destination,
@@ -224,12 +254,12 @@ impl StreamState {
     async fn route_body(&mut self, trailers_follow: bool) -> Step {
         // Python gets a copy: a duplex stream re-emits this one unless the director replaced it.
         let body = self.body.clone();
-        let event = Event::Route {
+        let event = Event::Route(Route {
             id: self.id,
             body,
             headers: self.headers.clone(),
             subset: self.subset.clone(),
-        };
+        });
         let (destination, new_body) = self.route(event).await?;
         let removed = m::removed_headers(&self.headers);
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
@@ -268,13 +298,13 @@ impl StreamState {
             let content_type = m::header(&map, "content-type").unwrap_or("").to_owned();
             let end_of_stream = headers.end_of_stream;
             self.reported_end |= end_of_stream;
-            self.bridge.push(Event::ResponseHeaders {
+            self.bridge.push(Event::ResponseHeaders(ResponseHeaders {
                 id: self.id,
                 status,
                 served,
                 content_type,
                 end_of_stream,
-            });
+            }));
         }
         self.send(m::continue_response_headers()).await
     }
@@ -282,14 +312,14 @@ impl StreamState {
     /// The body bytes held so far, as an event (`asks`: Python answers with metadata).
     fn body_event(&mut self, end_of_stream: bool, asks: bool) -> Event {
         self.reported_end |= end_of_stream;
-        Event::ResponseBody {
+        Event::ResponseBody(ResponseBody {
             id: self.id,
             data: std::mem::take(&mut self.pending),
             end_of_stream,
             served: self.pending_served.take(),
             first_byte_at: self.first_byte_at,
             asks,
-        }
+        })
     }
 
     fn report_body(&mut self, end_of_stream: bool) {
@@ -333,9 +363,11 @@ impl StreamState {
             self.reported_end = true;
             let (id, asks) = (self.id, self.ask_metadata);
             if asks {
-                metadata = self.metadata(Event::ResponseTrailers { id, asks }).await?;
+                metadata = self
+                    .metadata(Event::ResponseTrailers(ResponseTrailers { id, asks }))
+                    .await?;
             } else {
-                self.bridge.push(Event::ResponseTrailers { id, asks });
+                self.bridge.push(Event::ResponseTrailers(ResponseTrailers { id, asks }));
             }
         }
         self.send(m::continue_response_trailers(metadata)).await
@@ -361,16 +393,17 @@ impl StreamState {
         }
     }
 
-    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+    /// Serve the stream's messages (`inbound`: gRPC's request stream) until its exchange is over.
+    async fn run(mut self, mut inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Unpin) {
         let error = loop {
             let message = tokio::select! {
-                message = inbound.message() => message,
+                message = inbound.next() => message,
                 _ = self.out.closed() => break Some("cancelled"),
             };
             let req = match message {
-                Ok(Some(req)) => req,
-                Ok(None) => break None, // the proxy half-closed
-                Err(_) => break Some("cancelled"),
+                Some(Ok(req)) => req,
+                None => break None, // the proxy half-closed
+                Some(Err(_)) => break Some("cancelled"),
             };
             match self.dispatch(req).await {
                 Ok(()) if self.exchange_ended() => {
@@ -400,7 +433,7 @@ impl StreamState {
             if !self.pending.is_empty() {
                 self.report_body(false);
             }
-            self.bridge.push(Event::Closed { id: self.id, error });
+            self.bridge.push(Event::Closed(Closed { id: self.id, error }));
         }
     }
 }
@@ -431,29 +464,7 @@ impl ExternalProcessor for Service {
         let bridge = self.bridge.clone();
         bridge.streams_active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let guard = ActiveGuard(bridge.clone());
-        let state = StreamState {
-            id: bridge.new_stream_id(),
-            bridge,
-            settings: self.settings,
-            out,
-            request_mode: BUFFERED,
-            response_mode: 0,
-            send_body_early: false,
-            headers: Vec::new(),
-            subset: None,
-            body: Vec::new(),
-            chunks: 0,
-            routed: false,
-            reported_end: false,
-            asked: false,
-            report_chunks: false,
-            ask_metadata: false,
-            request_ended: false,
-            response_ended: false,
-            pending: Vec::new(),
-            pending_served: None,
-            first_byte_at: None,
-        };
+        let state = StreamState::new(bridge, self.settings, out);
         let inbound = request.into_inner();
         tokio::spawn(async move {
             let _guard = guard;
@@ -462,3 +473,7 @@ impl ExternalProcessor for Service {
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;
