@@ -16,7 +16,8 @@ from aiohttp import web
 
 from picker.bench.metric_pages import vllm_page
 from picker.bench.process import free_port
-from picker.serve import PickerServer, build_parser
+from picker.serve.flags import build_parser, serve_options
+from picker.serve.server import PickerServer
 
 HOST = "127.0.0.1"
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -113,7 +114,7 @@ async def run_reloads(pages: MetricsPages) -> None:
             "--refresh-metrics-interval", "20ms",
         ]
     )  # fmt: skip
-    server = PickerServer(args)
+    server = PickerServer(serve_options(args))
     await server.start()
     routed: Counter[str] = Counter()
     failures: list[BaseException] = []
