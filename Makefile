@@ -13,7 +13,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/picker/cargo-target
 # cargo from PATH, else from rustup's usual place, where tools/install-rust.sh puts it.
 export PATH := $(PATH):$(HOME)/.cargo/bin
 
-.PHONY: install test check demo bench image clean
+.PHONY: install test check static demo bench image clean
 
 install: $(STAMP) $(CORE_STAMP)
 
@@ -45,17 +45,24 @@ $(CORE_STAMP): $(CORE_SOURCES)
 	$(BIN)/pip install --quiet --force-reinstall --no-deps ./native/extproc
 	touch $(CORE_STAMP)
 
-# The e2e tests run a real kube-apiserver (built once from the official Go module and cached in
-# ~/.cache/picker/bin), etcd and helm: tools/install-test-binaries.sh provides them.
-test: install check
+# The whole suite, CI's command: the static checks, then every test once (tests/unit, the
+# Envoy stacks of tests/integration, the soak, the image build, the kube e2e). The e2e tests run
+# a real kube-apiserver (built once from the official Go module and cached in ~/.cache/picker/bin),
+# etcd and helm: tools/install-test-binaries.sh provides them.
+test: install static
 	PYTHON=$(BIN)/python tools/install-test-binaries.sh
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# The inner loop (under 3 minutes): the static checks and tests/unit, which start no Envoy,
+# cluster or container.
+check: static
+	$(BIN)/pytest -q -p no:cacheprovider tests/unit
 
 # Static checks (configured in pyproject.toml): lint and format, and mypy --strict on picker/,
 # sim/ and bench/; for the core: rustfmt, clippy (warnings are errors) and its Rust unit tests
 # (the stream state machine), whose build links the venv's libpython (PYO3_PYTHON).
 CORE_CARGO := cd native/extproc && PYO3_PYTHON=$(abspath $(BIN)/python) cargo
-check: install
+static: install
 	$(BIN)/ruff check picker sim bench tests
 	$(BIN)/ruff format --check picker sim bench tests
 	$(BIN)/mypy

@@ -88,7 +88,6 @@ class ExtProcServer:
         service reports SERVING on this port (none: no health service here)."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._core.wake_fd(), self._drain)
-        metrics.STREAMS_ACTIVE.set_function(self._core.streams_active)
         tls = tls or Tls()
         try:
             self.port = self._core.serve(
@@ -104,6 +103,10 @@ class ExtProcServer:
             self._loop.remove_reader(self._core.wake_fd())
             raise
         return self.port
+
+    def streams_active(self) -> int:
+        """How many ext_proc streams are open now."""
+        return self._core.streams_active()
 
     def enter_graceful_shutdown(self) -> None:
         """The port's health service reports NOT_SERVING from now on."""

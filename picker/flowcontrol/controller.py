@@ -84,8 +84,12 @@ class FlowController:
         room_at: Callable[[str], bool] | None = None,
         start_rate: Callable[[str], float] | None = None,
         pool_room: Callable[[], Mapping[str, bool]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: monotonic seconds, what enqueue times, waits and TTLs are measured with (a
+        test drives its own)."""
         self._settings_source = settings
+        self._clock = clock
         self._saturation = saturation
         self._room_at = room_at
         self._start_rate = start_rate
@@ -146,7 +150,7 @@ class FlowController:
         loop = self._loop = asyncio.get_running_loop()
         self._sync(settings)
         ttl = settings.default_ttl
-        now = time.monotonic()  # the body has just arrived: receipt and enqueue are one moment here
+        now = self._clock()  # the body has just arrived: receipt and enqueue are one moment here
         item = QueuedRequest(request, priority, ttl, now, now, loop.create_future(), affinity)
         band = self._bands.get(priority)
         band_settings = band.settings if band is not None else settings.band(priority)
@@ -272,9 +276,10 @@ class FlowController:
             self._tick_in(SATURATED_TICK_SECONDS)
             metrics.FLOW_DISPATCH_CYCLE.observe(perf_counter() - started)
             return
-        item = self._next_to_go(time.monotonic())
+        now = self._clock()
+        item = self._next_to_go(now)
         if item is None:  # every queued request waits for a full holder: look again when a wait ends
-            self._tick_in(min(SATURATED_TICK_SECONDS, max(0.0, self._parked_wait_ends() - time.monotonic())))
+            self._tick_in(min(SATURATED_TICK_SECONDS, max(0.0, self._parked_wait_ends() - now)))
         else:
             item.state = Outcome.DISPATCHED
             self._uncount(item)
@@ -444,7 +449,7 @@ class FlowController:
         if child is None:
             labels = (item.fairness_id, str(item.priority), item.state.value, self._pool, *key[4:])
             child = self._histograms[key] = metrics.FLOW_QUEUE_DURATION.labels(*labels)
-        child.observe(time.monotonic() - item.enqueued_at)
+        child.observe(self._clock() - item.enqueued_at)
 
     @property
     def parked(self) -> int:

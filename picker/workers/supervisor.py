@@ -15,10 +15,8 @@ worker is (once all started), and its /metrics page merges the workers' (picker.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import copy
 import ctypes
 import logging
 import multiprocessing
@@ -30,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import aiohttp
 import grpc
@@ -53,16 +52,38 @@ MAX_RESTART_DELAY_SECONDS = 30.0
 KILL_MARGIN_SECONDS = 10.0  # past --shutdown-delay + --shutdown-grace, a worker is killed
 _PR_SET_PDEATHSIG = 1
 
-WorkerMain = Callable[[argparse.Namespace, WorkerRole], None]
-ReviewerFactory = Callable[[argparse.Namespace], Awaitable[AccessReviewer | None]]
+
+class ParentServing(Protocol):
+    """What the parent serves on, how many workers it runs and how long they may take to stop
+    (`picker serve`'s serving options)."""
+
+    @property
+    def bind_address(self) -> str: ...
+    @property
+    def grpc_health_port(self) -> int: ...
+    @property
+    def metrics_port(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def shutdown_delay(self) -> float: ...
+    @property
+    def shutdown_grace(self) -> float: ...
 
 
-def _worker_entry(worker_main: WorkerMain, args: argparse.Namespace, role: WorkerRole) -> None:
+# What each worker is told (picklable: workers are spawned); the supervisor only hands it on.
+WorkerOptions = TypeVar("WorkerOptions")
+ReviewerFactory = Callable[[], Awaitable[AccessReviewer | None]]
+
+
+def _worker_entry(
+    worker_main: Callable[[WorkerOptions, WorkerRole], None], options: WorkerOptions, role: WorkerRole
+) -> None:
     """The spawned process: dies with its parent (a kill -9 of the parent leaves no orphan
     on the port), then runs the picker."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: orphans outlive a killed parent
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    worker_main(args, role)
+    worker_main(options, role)
 
 
 class Worker:
@@ -82,14 +103,19 @@ class Worker:
         return self.process is not None and self.process.exitcode is None
 
 
-class Supervisor:
+class Supervisor(Generic[WorkerOptions]):
     """The workers of one `picker serve --workers N` and the parent's health and metrics servers."""
 
-    def __init__(self, args: argparse.Namespace, worker_main: WorkerMain, run_dir: Path) -> None:
-        self.args = args
+    def __init__(
+        self,
+        serving: ParentServing,
+        worker_options: WorkerOptions,
+        worker_main: Callable[[WorkerOptions, WorkerRole], None],
+        run_dir: Path,
+    ) -> None:
+        self.serving_options = serving
+        self.worker_options = worker_options
         self.worker_main = worker_main
-        self.worker_args = copy.copy(args)
-        self.worker_args.metrics_endpoint_auth = False  # the parent's port reviews; the workers' are private
         self.workers = [
             Worker(
                 WorkerRole(
@@ -98,7 +124,7 @@ class Supervisor:
                     metrics_socket=str(run_dir / f"worker-{i}-metrics.sock"),
                 )
             )
-            for i in range(args.workers)
+            for i in range(serving.workers)
         ]
         self.exits: asyncio.Queue[Worker] = asyncio.Queue()
         self.started = False  # every worker was ready once
@@ -123,7 +149,7 @@ class Supervisor:
         context = multiprocessing.get_context("spawn")
         process = context.Process(
             target=_worker_entry,
-            args=(self.worker_main, self.worker_args, worker.role),
+            args=(self.worker_main, self.worker_options, worker.role),
             name=f"picker-worker-{worker.role.index}",
         )
         process.start()
@@ -249,15 +275,15 @@ class Supervisor:
             return web.Response(status=503, text=f"worker {worker.role.index}: {error}\n")
 
     async def _start_servers(self, reviewer: AccessReviewer | None) -> None:
-        args = self.args
+        options = self.serving_options
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         servicer = HealthServicer(self.serving, lambda: self.draining)
         health_pb2_grpc.add_HealthServicer_to_server(servicer, self.health_server)
-        self.health_server.add_insecure_port(f"{args.bind_address}:{args.grpc_health_port}")
+        self.health_server.add_insecure_port(f"{options.bind_address}:{options.grpc_health_port}")
         await self.health_server.start()
         app = metrics_app(reviewer=reviewer, exposition=self.exposition)
         app.router.add_get("/{path:.*}", self._from_a_worker)
-        self.metrics_runner = await start_metrics_server(app, args.bind_address, args.metrics_port)
+        self.metrics_runner = await start_metrics_server(app, options.bind_address, options.metrics_port)
 
     async def _stop_servers(self) -> None:
         if self.health_server is not None:
@@ -296,7 +322,8 @@ class Supervisor:
         for worker in self.workers:
             if worker.alive and worker.process is not None and worker.process.pid is not None:
                 os.kill(worker.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.args.shutdown_delay + self.args.shutdown_grace + KILL_MARGIN_SECONDS
+        options = self.serving_options
+        deadline = time.monotonic() + options.shutdown_delay + options.shutdown_grace + KILL_MARGIN_SECONDS
         while any(worker.process is not None for worker in self.workers):
             try:
                 await self._reap(await asyncio.wait_for(self.exits.get(), max(0.0, deadline - time.monotonic())))
@@ -330,19 +357,25 @@ class Supervisor:
         return code
 
 
-async def supervise(args: argparse.Namespace, worker_main: WorkerMain, reviewer_factory: ReviewerFactory) -> int:
-    """Run `args.workers` workers (each `worker_main(args, role)` in its own process) until SIGTERM."""
+async def supervise(
+    serving: ParentServing,
+    worker_options: WorkerOptions,
+    worker_main: Callable[[WorkerOptions, WorkerRole], None],
+    reviewer_factory: ReviewerFactory,
+) -> int:
+    """Run `serving.workers` workers (each `worker_main(worker_options, role)` in its own
+    process) until SIGTERM; the parent's metrics port reviews with `reviewer_factory()`'s reviewer."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        reviewer = await reviewer_factory(args)
+        reviewer = await reviewer_factory()
     except ValueError as error:
         log.error("cannot start: %s", error)
         return 1
     run_dir = Path(tempfile.mkdtemp(prefix="picker-workers-"))  # 0700: the workers' ports are private
     try:
-        return await Supervisor(args, worker_main, run_dir).run(stop, reviewer)
+        return await Supervisor(serving, worker_options, worker_main, run_dir).run(stop, reviewer)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from picker.prefix.builtin_tokenizer import encode
@@ -140,6 +140,7 @@ class Request:
         cache_salt: str | None,
         block_size: int,
         stream: bool,
+        arrival: float,
     ) -> None:
         self.id = rid
         self.stream = stream  # woken once per step with new output, else only when finished
@@ -154,7 +155,7 @@ class Request:
         self.num_computed = 0
         self.num_cached = -1  # prompt tokens served from the prefix cache; -1 until admitted
         self.num_output = 0
-        self.arrival = time.monotonic()
+        self.arrival = arrival
         self.scheduled_at = 0.0
         self.first_token_at = 0.0
         self.last_token_at = 0.0
@@ -185,8 +186,16 @@ class Request:
 class Engine:
     """The scheduler and step loop of one simulated engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """`clock` and `sleep`: the time steps take (a test passes virtual ones to run without waiting)."""
         self.config = config
+        self._clock = clock
+        self._sleep = sleep
         self.cache = KVCache(config.num_gpu_blocks, config.block_size)
         self.stats = EngineStats()
         self.waiting: deque[Request] = deque()
@@ -213,7 +222,7 @@ class Engine:
     def abort_all(self) -> None:
         """Finish every request with reason `abort` (crash)."""
         for req in list(self.running) + list(self.waiting):
-            self._finish(req, "abort", time.monotonic(), record=False)
+            self._finish(req, "abort", self._clock(), record=False)
         self.running.clear()
         self.waiting.clear()
 
@@ -247,7 +256,7 @@ class Engine:
             )
         if -(-(len(prompt_ids) + max_tokens) // cfg.block_size) > cfg.num_gpu_blocks:
             raise EngineError("request needs more KV blocks than the engine has")
-        req = Request(next(self._ids), prompt_ids, max_tokens, lora, cache_salt, cfg.block_size, stream)
+        req = Request(next(self._ids), prompt_ids, max_tokens, lora, cache_salt, cfg.block_size, stream, self._clock())
         self.waiting.append(req)
         self._wake.set()
         return req
@@ -260,13 +269,13 @@ class Engine:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, "abort", time.monotonic(), record=False)
+        self._finish(req, "abort", self._clock(), record=False)
 
     # -- the step loop --------------------------------------------------------------------------
     async def _run(self) -> None:
         scale = self.config.time_scale
         profile = self.config.profile
-        clock = time.monotonic
+        clock = self._clock
         step_end = 0.0
         while True:
             if not self.running and not self.waiting:
@@ -287,7 +296,7 @@ class Engine:
             step_end = start + step / scale
             delay = step_end - clock()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await self._sleep(delay)
             self._apply(scheduled)
             self._flush_events()
 
@@ -360,7 +369,7 @@ class Engine:
                 prefill_tokens += need
             i += 1
         stats = self.stats
-        now = time.monotonic()
+        now = self._clock()
         while self.waiting and not preempted and len(running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if req.lora is not None and not self._lora_ready(req.lora):
@@ -393,7 +402,7 @@ class Engine:
         bs = self.config.block_size
         cache = self.cache
         stats = self.stats
-        now = time.monotonic()
+        now = self._clock()
         n_ids = len(OUTPUT_IDS)
         for req, n in scheduled:
             if req.finish_reason is not None:  # aborted while the step ran

@@ -21,6 +21,13 @@ CHART = ROOT / "charts" / "picker"
 CRDS = ROOT / "manifests" / "crds"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on a real cluster are `slow` (in `make test`, not `make check`)."""
+    for item in items:
+        if "kube_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def helm_binary() -> Path:
     try:

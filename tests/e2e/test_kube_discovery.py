@@ -29,14 +29,13 @@ _ids = itertools.count(1)
 _ips = itertools.count(0)
 
 
-async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> float:
-    """Poll `condition` on the loop (discovery callbacks run in between); return seconds taken."""
+async def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Poll `condition` on the loop (discovery callbacks run in between) for up to `timeout` s."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
             raise AssertionError(f"not within {timeout} s: {what}")
         await asyncio.sleep(0.005)
-    return time.monotonic() - start
 
 
 def addresses(datastore: Datastore) -> set[str]:

@@ -211,7 +211,6 @@ def test_standby_takes_over_after_the_leader_is_killed_and_requests_keep_routing
             killed_at = time.monotonic()
             os.kill(leader.process.pid, signal.SIGKILL)
             wait_until(standby.ready, TAKEOVER_DEADLINE, "the standby to become ready after the leader died")
-            took_over = time.monotonic() - killed_at
             routed_again = time.monotonic() + 2 * HEALTH_CHECK_INTERVAL + 1.0  # Envoy's next health check
             wait_until(lambda: len(load.between(routed_again, time.monotonic())) >= 20, 30, "requests after")
             after_end = time.monotonic()
@@ -220,7 +219,6 @@ def test_standby_takes_over_after_the_leader_is_killed_and_requests_keep_routing
         assert before and set(before) == {200}, f"before the kill: {sorted(set(before))}"
         after = load.between(routed_again, after_end)
         assert set(after) == {200}, f"after the takeover: {sorted(set(after))}"
-        assert took_over <= TAKEOVER_DEADLINE
         new_holder, new_transitions = lease_holder(admin_api, ns)
         assert new_holder != holder and new_transitions == transitions + 1
         # Only the gap without a ready replica failed, with FailClose's 500.
@@ -242,10 +240,12 @@ def test_a_stopping_leader_releases_the_lease_so_the_standby_takes_over_at_once(
         wait_until(lambda: sum(r.ready() for r in replicas) == 1, TAKEOVER_DEADLINE + 10, "one leader")
         (leader,) = [r for r in replicas if r.ready()]
         (standby,) = [r for r in replicas if r is not leader]
-        stopped_at = time.monotonic()
+        held_by, _ = lease_holder(admin_api, ha_release["namespace"])
         leader.process.stop()
+        # Released on the way out (cleared, or already the standby's), not left to expire.
+        assert lease_holder(admin_api, ha_release["namespace"])[0] != held_by
+        # The deadline is well within TIMING.lease_duration: the standby did not wait for expiry.
         wait_until(standby.ready, TIMING.retry_period * 1.2 + 2.0, "the standby to lead after the release")
-        assert time.monotonic() - stopped_at < TIMING.lease_duration
     finally:
         for replica in replicas:
             replica.process.stop()

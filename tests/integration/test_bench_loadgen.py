@@ -88,7 +88,7 @@ async def test_streaming_measures_ttft_usage_and_pod(server) -> None:
     assert len(results) == len(sessions) == progress.done and progress.errors == 0
     for r in results:
         assert r.error is None
-        assert FIRST_TOKEN_DELAY <= r.ttft_s < r.e2e_s < FIRST_TOKEN_DELAY + 1.5
+        assert FIRST_TOKEN_DELAY <= r.ttft_s < r.e2e_s  # the first token came after the server's pause
         assert r.prompt_tokens == len(
             encode(render_chat([{"role": "system", "content": "x " * 40}, {"role": "user", "content": "y " * 5}]))
         )
@@ -99,14 +99,19 @@ async def test_streaming_measures_ttft_usage_and_pod(server) -> None:
 
 
 async def test_arrivals_are_open_loop(server) -> None:
+    """Each request goes at its arrival time, not after the answer before it: with the server
+    answering nothing, all four still reach it; once it answers, all four complete."""
     rec, url = server
+    rec.hang = True
     sessions = [w.Session(0.3 * i, (w.Prompt(1, hash_ids=(i,), input_length=10),)) for i in range(4)]
-    start = time.monotonic()
-    results = await run_load(sessions, LoadOptions(url, "m"))
-    # Sent on schedule although every answer takes longer than the gap between arrivals.
-    offsets = sorted(t - start for t in rec.arrivals)
-    assert all(abs(o - 0.3 * i) < 0.1 for i, o in enumerate(offsets))
-    assert sorted(r.due_s for r in results) == pytest.approx([0.0, 0.3, 0.6, 0.9], abs=0.05)
+    load = asyncio.create_task(run_load(sessions, LoadOptions(url, "m")))
+    async with asyncio.timeout(10):
+        while len(rec.arrivals) < 4:
+            await asyncio.sleep(0.01)
+    rec.release.set()
+    results = await load
+    assert [r.error for r in results] == [None] * 4
+    assert sorted(r.due_s for r in results) == pytest.approx([0.0, 0.3, 0.6, 0.9])  # as scheduled
 
 
 async def test_multi_turn_turns_follow_each_other(server) -> None:

@@ -14,7 +14,8 @@ from collections import Counter
 
 from aiohttp import web
 
-from picker.serve import PickerServer, build_parser
+from picker.serve.flags import build_parser, serve_options
+from picker.serve.server import PickerServer
 from picker_bench.metric_pages import vllm_page
 from picker_bench.process import free_port
 
@@ -113,7 +114,7 @@ async def run_reloads(pages: MetricsPages) -> None:
             "--refresh-metrics-interval", "20ms",
         ]
     )  # fmt: skip
-    server = PickerServer(args)
+    server = PickerServer(serve_options(args))
     await server.start()
     routed: Counter[str] = Counter()
     failures: list[BaseException] = []

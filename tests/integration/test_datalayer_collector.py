@@ -191,10 +191,12 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         assert collector.active_endpoints() == {s.endpoint.address for s in servers}
 
         vllm.page = vllm_page(waiting=9, running=1, kv_usage=0.9, legacy_kv_name=True)
+        changed = time.monotonic()
         await until(lambda: datastore.metrics(vllm.endpoint.address).waiting_queue_size == 9, what="new queue value")
         assert datastore.metrics(vllm.endpoint.address).kv_cache_usage == 0.9
+        # The age is since the scrape that brought the new page, which came after the change.
         age = REGISTRY.get_sample_value("picker_metrics_age_seconds", {"endpoint": vllm.endpoint.address})
-        assert age is not None and 0 <= age < 1.0
+        assert age is not None and 0 <= age <= time.monotonic() - changed
 
         # Relabelling an endpoint switches its engine spec on the next scrape, same task.
         vllm.page = sglang_page(queue=17)
@@ -283,13 +285,22 @@ async def test_pages_over_the_size_cap_are_refused_without_stalling_others() -> 
         assert datastore.metrics(chunked.endpoint.address).waiting_queue_size == 3
 
 
-async def test_a_hung_endpoint_goes_stale_while_others_keep_their_pace() -> None:
+async def test_a_hung_endpoint_goes_stale_while_the_others_are_scraped_meanwhile() -> None:
     datastore = Datastore()
     interval = 0.05
     async with AsyncExitStack() as stack:
         good = PageServer("127.0.0.2", vllm_page(waiting=1))
         hung = PageServer("127.0.0.3", vllm_page(waiting=2))
-        silent = RawServer("127.0.0.4", lambda reader, writer: reader.read())  # accepts, reads, never answers
+        # Accepts, reads, never answers; notes how often `good` was scraped while each scrape of
+        # it waited, until the scraper's timeout closed the connection.
+        held: list[tuple[int, int]] = []
+
+        async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            before = good.requests
+            await reader.read()
+            held.append((before, good.requests))
+
+        silent = RawServer("127.0.0.4", never_answer)
         for server in (good, hung, silent):
             await _serve(stack, server)
         datastore.set_endpoints([good.endpoint, hung.endpoint, silent.endpoint])
@@ -300,14 +311,10 @@ async def test_a_hung_endpoint_goes_stale_while_others_keep_their_pace() -> None
         )
 
         hung.hang = True
-        started, good_before = time.monotonic(), good.requests
-        worst_good_age = 0.0
 
         def hung_is_stale() -> bool:
-            nonlocal worst_good_age
             now = time.monotonic()
             states = {s.address: s for s in datastore.snapshot()}
-            worst_good_age = max(worst_good_age, states[good.endpoint.address].metrics_age(now))
             return (
                 states[hung.endpoint.address].metrics_age(now) > collector.staleness_threshold
                 and errors(hung.endpoint.address, "timeout") >= 2
@@ -315,11 +322,10 @@ async def test_a_hung_endpoint_goes_stale_while_others_keep_their_pace() -> None
             )
 
         await until(hung_is_stale, what="hung endpoint stale with two timeouts")
-        elapsed = time.monotonic() - started
-        # Two 0.4 s timeouts took over 0.8 s; the good endpoint kept scraping meanwhile.
-        assert elapsed >= 0.8
-        assert good.requests - good_before >= 0.5 * elapsed / interval
-        assert worst_good_age < collector.staleness_threshold
+        # Each endpoint is scraped on its own: while a scrape of the silent one waited for its
+        # timeout, the good one was scraped (not after it, as one scrape after another would).
+        await until(lambda: len(held) >= 2, what="the silent endpoint to see its two scrapes give up")
+        assert all(after > before for before, after in held), held
         assert datastore.metrics(hung.endpoint.address).waiting_queue_size == 2  # old value kept, just stale
         assert datastore.metrics(silent.endpoint.address).update_time == 0
 

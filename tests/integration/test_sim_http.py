@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -42,10 +41,8 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def _sse(resp: aiohttp.ClientResponse) -> tuple[list[dict], bool, float]:
-    """(chunks, saw [DONE], seconds until the first content chunk)."""
-    start = time.monotonic()
-    first = 0.0
+async def _sse(resp: aiohttp.ClientResponse) -> tuple[list[dict], bool]:
+    """(chunks, saw [DONE])."""
     chunks = []
     done = False
     async for raw in resp.content:
@@ -57,15 +54,13 @@ async def _sse(resp: aiohttp.ClientResponse) -> tuple[list[dict], bool, float]:
         if data == "[DONE]":
             done = True
             continue
-        chunk = orjson.loads(data)
-        choices = chunk["choices"]
-        if not first and choices and (choices[0].get("text") or choices[0].get("delta", {}).get("content")):
-            first = time.monotonic() - start
-        chunks.append(chunk)
-    return chunks, done, first
+        chunks.append(orjson.loads(data))
+    return chunks, done
 
 
-async def test_completion_reports_cached_whole_blocks_and_lower_ttft(fleet: Fleet, http) -> None:
+async def test_completion_reports_cached_whole_blocks(fleet: Fleet, http) -> None:
+    """The cached tokens come back in the usage; that they cost no prefill time is the engine's
+    test (test_sim_engine, in virtual time)."""
     url = fleet.pods[0].url + "/v1/completions"
     body = {
         "model": "sim-model",
@@ -75,21 +70,18 @@ async def test_completion_reports_cached_whole_blocks_and_lower_ttft(fleet: Flee
         "stream_options": {"include_usage": True},
         "some_unknown_field": {"x": 1},
     }
-    ttfts, usages = [], []
+    usages = []
     for _ in range(2):
         async with http.post(url, json=body) as resp:
             assert resp.status == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
-            chunks, done, ttft = await _sse(resp)
+            chunks, done = await _sse(resp)
         assert done
         usages.append(chunks[-1]["usage"])
-        ttfts.append(ttft)
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).split()[:4]
     assert usages[0]["prompt_tokens"] == 600 and usages[0]["completion_tokens"] == 4
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 592  # 37 whole blocks of 16
-    # cold: 600 tokens x 0.08 ms of prefill (48 ms) more than warm
-    assert ttfts[1] < ttfts[0] - 0.03, ttfts
 
 
 async def test_non_streaming_completion_and_chat(fleet: Fleet, http) -> None:
@@ -120,7 +112,7 @@ async def test_non_streaming_completion_and_chat(fleet: Fleet, http) -> None:
 async def test_streaming_chat_ends_with_done_and_no_usage_unless_asked(fleet: Fleet, http) -> None:
     body = {"messages": [{"role": "user", "content": "stream please"}], "max_tokens": 5, "stream": True}
     async with http.post(fleet.pods[0].url + "/v1/chat/completions", json=body) as resp:
-        chunks, done, _ = await _sse(resp)
+        chunks, done = await _sse(resp)
     assert done
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     content = [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]]

@@ -75,21 +75,20 @@ async def processes(redis_server: RedisServer) -> AsyncIterator[Callable[..., Pr
         await process.sync.stop()
 
 
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll `condition` on the loop; seconds it took. TimeoutError naming `what` after `timeout`."""
+async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` on the loop; TimeoutError naming `what` after `timeout` seconds."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.005)
-    return time.monotonic() - start
 
 
 def counter(metric: object) -> float:
     return metric._value.get()  # type: ignore[attr-defined,no-any-return]
 
 
-async def test_a_pick_in_one_process_reaches_the_others_index_within_milliseconds(
+async def test_a_pick_in_one_process_reaches_the_others_index(
     processes: Callable[..., Process],
 ) -> None:
     a, b = processes(), processes()
@@ -97,8 +96,7 @@ async def test_a_pick_in_one_process_reaches_the_others_index_within_millisecond
     applied = counter(metrics.STATE_APPLIED_INSERTS)
     prompt = [11, 12, 13, 14]
     a.pick(ENDPOINTS[1], prompt)
-    took = await until(lambda: b.index.match(prompt) == {ENDPOINTS[1]: 4}, 5, "b to learn a's pick")
-    assert took < 0.5, took
+    await until(lambda: b.index.match(prompt) == {ENDPOINTS[1]: 4}, 5, "b to learn a's pick")
     b.pick(ENDPOINTS[0], [21, 22])
     await until(lambda: a.index.match([21, 22]) == {ENDPOINTS[0]: 2}, 5, "a to learn b's pick")
     assert len(a.index) == len(b.index) == 6
@@ -107,16 +105,16 @@ async def test_a_pick_in_one_process_reaches_the_others_index_within_millisecond
 
 
 async def test_publishing_is_an_enqueue(processes: Callable[..., Process]) -> None:
-    a = processes()
-    hashes = list(range(64))
-    rounds = []
-    for _ in range(5):  # the best round: the cost itself, not the shared machine's interruptions
-        start = time.perf_counter()
-        for _ in range(1000):
-            a.shared.publish(ENDPOINTS[0], hashes, None, True)
-        rounds.append((time.perf_counter() - start) / 1000)
-        await asyncio.sleep(0)
-    assert min(rounds) < 20e-6, rounds  # measured ~1-2 µs
+    """A publish does no I/O: it queues the insert, and the sync task sends it once the loop
+    runs it (the cost of a publish is `picker bench`'s to measure)."""
+    a, b = processes(), processes()
+    await until(lambda: counter(metrics.STATE_STORE_CONNECTED) == 1, 5, "the store")
+    await until(lambda: a.sync.pending == 0, 5, "a to have nothing queued")
+    for n in range(1000):  # the loop never runs meanwhile: nothing can have been sent
+        a.shared.publish(ENDPOINTS[0], [3000 + n], None, True)
+    assert a.sync.pending == 1000 and len(b.index) == 0
+    await until(lambda: a.sync.pending == 0, 5, "a to publish")
+    await until(lambda: len(b.index) == 1000, 5, "b to learn a's inserts")
 
 
 async def test_a_process_that_starts_late_warms_its_index_from_the_stream(
@@ -165,17 +163,14 @@ async def test_store_down_drops_nothing_it_can_keep_then_resynchronises(
     await until(lambda: b.index.match([1]) == {ENDPOINTS[0]: 1}, 5, "b to learn a's first pick")
     redis_server.kill()
     unpublished = counter(metrics.STATE_UNPUBLISHED_INSERTS)
-    start = time.perf_counter()
     for n in range(150):  # the store is gone: picks go on, at the cost of an enqueue
         a.pick(ENDPOINTS[1], [100 + n])
-    assert time.perf_counter() - start < 0.05
+    # The loop never ran meanwhile: each pick queued its insert, the oldest dropped beyond the 100 kept.
+    assert counter(metrics.STATE_UNPUBLISHED_INSERTS) - unpublished == 50
     await until(lambda: counter(metrics.STATE_STORE_CONNECTED) == 0, 5, "the failure to be seen")
-    assert counter(metrics.STATE_UNPUBLISHED_INSERTS) - unpublished == 50  # beyond the 100 kept
     restarted = start_redis(tmp_path, "redis-restarted", port=redis_server.port)
     try:
-        back = time.monotonic()
-        took = await until(lambda: b.index.match([249]) == {ENDPOINTS[1]: 1}, 10, "b to learn what a kept")
-        print(f"resynchronised {took:.3f}s after the store came back ({time.monotonic() - back:.3f}s)")
+        await until(lambda: b.index.match([249]) == {ENDPOINTS[1]: 1}, 10, "b to learn what a kept")
         assert all(b.index.match([100 + n]) == {ENDPOINTS[1]: 1} for n in range(50, 150))
         assert counter(metrics.STATE_STORE_CONNECTED) == 1
     finally:
@@ -189,8 +184,7 @@ async def test_in_flight_counts_are_added_to_the_others_and_released(processes: 
         a.datastore.acquire(ENDPOINTS[0], 100)
     b.datastore.acquire(ENDPOINTS[0], 10)
     b.datastore.acquire(ENDPOINTS[1], 20)
-    took = await until(lambda: c.in_flight() == {ENDPOINTS[0]: 4, ENDPOINTS[1]: 1}, 5, "c to count a's and b's")
-    assert took < 0.5, took
+    await until(lambda: c.in_flight() == {ENDPOINTS[0]: 4, ENDPOINTS[1]: 1}, 5, "c to count a's and b's")
     assert a.in_flight() == {ENDPOINTS[0]: 4, ENDPOINTS[1]: 1}  # its own plus b's
     assert [s.in_flight_tokens for s in c.datastore.snapshot()] == [310, 20]
     assert c.datastore.in_flight(ENDPOINTS[0]) == 0  # its own count (its metric) stays its own
@@ -229,8 +223,7 @@ async def test_a_dead_process_s_in_flight_counts_expire(
         await asyncio.sleep(0.05)
     assert b.in_flight()[ENDPOINTS[1]] == 2
     await a.sync.stop()  # dies with its requests in flight: nothing says they ended
-    took = await until(lambda: b.in_flight()[ENDPOINTS[1]] == 0, 5, "a's load to expire at b")
-    assert took < 0.6 + 1.5, took  # the expiry, plus b's read wait (1 s) at most
+    await until(lambda: b.in_flight()[ENDPOINTS[1]] == 0, 5, "a's load to expire at b")
     late = processes()
     await until(lambda: late.sync.last_id == b.sync.last_id, 5, "the late process to replay the stream")
     assert late.in_flight() == {ENDPOINTS[0]: 0, ENDPOINTS[1]: 0}  # a's old reports had expired

@@ -15,7 +15,7 @@ import prometheus_client
 import promql_parser
 import pytest
 
-import picker.serve  # noqa: F401  (registers every metric the serving code exports)
+import picker.serve.server  # noqa: F401  (registers every metric the serving code exports)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "picker" / "dashboards" / "picker.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}

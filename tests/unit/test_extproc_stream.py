@@ -106,10 +106,29 @@ async def released(d: Director) -> None:
     await eventually(check, deadline_s=5)
 
 
+def one_byte_pieces_at_the_edges(payload: bytes, edges: tuple[int, ...], span: int, large: int) -> list[bytes]:
+    """`payload` cut into single bytes for `span` bytes before and after each offset in
+    `edges`, and into pieces of at most `large` bytes elsewhere."""
+    single = {i for edge in edges for i in range(max(0, edge - span), min(len(payload), edge + span))}
+    pieces: list[bytes] = []
+    start = 0
+    while start < len(payload):
+        end = start + 1 if start in single else start + large
+        end = min([end, len(payload), *(i for i in single if i > start)])
+        pieces.append(payload[start:end])
+        start = end
+    return pieces
+
+
 async def test_a_body_in_one_byte_chunks_is_routed_once_and_reemitted_whole() -> None:
+    """One-byte messages where the body starts, where it fills a re-emitted chunk and where it
+    ends (some 700 messages): what one byte at a time can break, without 70,000 round trips
+    for the bytes between, which come in 1 KB messages."""
     d = director()
     payload = json.dumps({"model": "m", "prompt": "p" * 70000}).encode()
-    messages = [headers()] + [body(payload[i : i + 1], i == len(payload) - 1) for i in range(len(payload))]
+    pieces = one_byte_pieces_at_the_edges(payload, (0, BODY_CHUNK_BYTES, len(payload)), 175, 1000)
+    assert b"".join(pieces) == payload and sum(len(p) == 1 for p in pieces) == 700
+    messages = [headers()] + [body(piece, i == len(pieces) - 1) for i, piece in enumerate(pieces)]
     async with serving(d) as stub:
         count = -(-len(payload) // BODY_CHUNK_BYTES)
         # Nothing is answered before the body's end: the first answer is the routing one.

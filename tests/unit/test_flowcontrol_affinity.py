@@ -4,7 +4,6 @@ them (bounded) while requests behind it that can go now are dispatched."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping
 
 import pytest
@@ -148,11 +147,18 @@ async def test_the_wait_for_a_full_holder_ends_at_max_affinity_wait() -> None:
     pool = Pool()
     pool.saturation = 0.5
     config = settings(max_affinity_wait=0.05)
-    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at)
+    now = [100.0]  # the controller's clock, moved by the test
+    controller = FlowController(lambda: config, lambda: pool.saturation, room_at=pool.room_at, clock=lambda: now[0])
     client = Client(controller, config)
-    started = time.monotonic()
-    await asyncio.wait_for(client.send("on-a", held_at("a")), 5.0)  # a stays full; nothing else wakes it
-    assert client.order == ["on-a"] and time.monotonic() - started >= 0.05
+    sent = client.send("on-a", held_at("a"))  # a stays full
+    await until(lambda: controller.parked == 1)
+    now[0] += 0.04  # within the wait: a cycle keeps it parked
+    controller.wake()
+    await asyncio.sleep(0)  # the cycle runs before this task resumes
+    assert client.order == [] and controller.parked == 1
+    now[0] += 0.02  # past it: the controller's own timer lets it go, nothing else wakes it
+    await asyncio.wait_for(sent, 5.0)
+    assert client.order == ["on-a"] and controller.parked == 0
 
 
 async def test_a_request_goes_elsewhere_only_when_its_turn_is_far_and_a_pod_with_room_has_no_line() -> None:

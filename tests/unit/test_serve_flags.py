@@ -14,10 +14,14 @@ import pytest
 from prometheus_client import REGISTRY
 
 from picker.config.runtime import RuntimeHolder
+from picker.config.schema import ConfigError
 from picker.datalayer.plugins import DataSource, ScrapeSettings, scrape_settings
 from picker.datastore.store import Datastore
+from picker.discovery.static import EndpointListError
 from picker.requestcontrol.director import Director
-from picker.serve import FlagError, PickerServer, ReferenceFeatures, build_parser, check_workers, log_settings
+from picker.serve.flags import FlagError, build_parser, log_settings, serve_options
+from picker.serve.options import ReferenceFeatures
+from picker.serve.server import PickerServer
 from picker.telemetry.logging import TRACE, VERBOSE
 
 # The reference's flags, from its source: pkg/epp/server/options.go (AddFlags),
@@ -69,50 +73,58 @@ BASE = ["--endpoints", "10.0.0.1:8000"]
 
 
 def server(*argv: str) -> PickerServer:
-    return PickerServer(build_parser().parse_args([*BASE, *argv]))
+    return PickerServer(serve_options(build_parser().parse_args([*BASE, *argv])))
 
 
 # flag → (arguments with a non-default value, what they must set, the value), or REFUSED.
 Outcome = tuple[list[str], Callable[[PickerServer], Any], Any] | tuple[list[str], str]
 TABLE: dict[str, Outcome] = {
-    "grpc-port": (["--grpc-port", "9102"], lambda s: s.args.grpc_port, 9102),
+    "grpc-port": (["--grpc-port", "9102"], lambda s: s.options.serving.grpc_port, 9102),
     "ha-enable-leader-election": (
         ["--pool-name", "pool", "--pool-namespace", "ns", "--ha-enable-leader-election"],
-        lambda s: (s.features.leader_election, s.lease_name),
+        lambda s: (s.features.leader_election, s.options.lease_name),
         (True, "epp-ns-pool.gateway-api-inference-extension.sigs.k8s.io"),  # the reference's Lease
     ),
     "pool-group": (
         ["--pool-group", "inference.networking.x-k8s.io"],
-        lambda s: s.args.pool_group,
+        lambda s: s.options.discovery.pool_group,
         "inference.networking.x-k8s.io",
     ),
-    "pool-namespace": (["--pool-namespace", "ns"], lambda s: s.args.pool_namespace, "ns"),
-    "pool-name": (["--pool-name", "pool"], lambda s: s.args.pool_name, "pool"),
-    "endpoint-selector": (["--endpoint-selector", "app=vllm"], lambda s: s.args.endpoint_selector, "app=vllm"),
+    "pool-namespace": (["--pool-namespace", "ns"], lambda s: s.options.discovery.pool_namespace, "ns"),
+    "pool-name": (["--pool-name", "pool"], lambda s: s.options.discovery.pool_name, "pool"),
+    "endpoint-selector": (
+        ["--endpoint-selector", "app=vllm"],
+        lambda s: s.options.discovery.endpoint_selector,
+        (("app", "vllm"),),
+    ),
     "endpoint-target-ports": (
-        ["--endpoint-target-ports", "8000,8001"],
-        lambda s: s.args.endpoint_target_ports,
-        "8000,8001",
+        ["--pool-name", "pool", "--endpoint-target-ports", "8000,8001"],
+        lambda s: s.options.discovery.endpoint_target_ports,
+        (8000, 8001),
     ),
     "disable-endpoint-subset-filter": (
         ["--disable-endpoint-subset-filter"],
-        lambda s: s.args.disable_endpoint_subset_filter,
-        True,
+        lambda s: s.options.scheduling.honour_subset_hint,
+        False,
     ),
     "model-server-metrics-scheme": (
         ["--model-server-metrics-scheme", "https"],
-        lambda s: s.scrape_defaults.scheme,
+        lambda s: s.options.data_layer.scrape.scheme,
         "https",
     ),
     "model-server-metrics-path": (
         ["--model-server-metrics-path", "/prometheus/metrics"],
-        lambda s: s.scrape_defaults.path,
+        lambda s: s.options.data_layer.scrape.path,
         "/prometheus/metrics",
     ),
-    "model-server-metrics-port": (["--model-server-metrics-port", "8001"], lambda s: s.scrape_defaults.port, 8001),
+    "model-server-metrics-port": (
+        ["--model-server-metrics-port", "8001"],
+        lambda s: s.options.data_layer.scrape.port,
+        8001,
+    ),
     "model-server-metrics-https-insecure-skip-verify": (
         ["--model-server-metrics-https-insecure-skip-verify=false"],
-        lambda s: s.scrape_defaults.insecure_skip_verify,
+        lambda s: s.options.data_layer.scrape.insecure_skip_verify,
         False,
     ),
     "refresh-metrics-interval": (["--refresh-metrics-interval", "100ms"], lambda s: s.data_layer.interval, 0.1),
@@ -131,29 +143,33 @@ TABLE: dict[str, Outcome] = {
     "kv-cache-usage-percentage-metric": (["--kv-cache-usage-percentage-metric", "sglang:token_usage"], REFUSED),
     "lora-info-metric": (["--lora-info-metric", ""], REFUSED),
     "cache-info-metric": (["--cache-info-metric", "sglang:cache_config_info"], REFUSED),
-    "v": (["-v=4"], lambda s: log_settings(s.args).threshold, logging.DEBUG),
-    "zap-devel": (["--zap-devel=false"], lambda s: log_settings(s.args).json, True),
-    "zap-encoder": (["--zap-encoder", "json"], lambda s: log_settings(s.args).json, True),
-    "zap-log-level": (["--zap-log-level", "error"], lambda s: log_settings(s.args).threshold, logging.ERROR),
+    "v": (["-v=4"], lambda s: s.options.logging.threshold, logging.DEBUG),
+    "zap-devel": (["--zap-devel=false"], lambda s: s.options.logging.json, True),
+    "zap-encoder": (["--zap-encoder", "json"], lambda s: s.options.logging.json, True),
+    "zap-log-level": (["--zap-log-level", "error"], lambda s: s.options.logging.threshold, logging.ERROR),
     "zap-stacktrace-level": (
         ["--zap-stacktrace-level", "panic"],
-        lambda s: log_settings(s.args).stack_threshold,
+        lambda s: s.options.logging.stack_threshold,
         logging.CRITICAL,
     ),
-    "zap-time-encoding": (["--zap-time-encoding", "rfc3339"], lambda s: log_settings(s.args).times, "rfc3339"),
+    "zap-time-encoding": (["--zap-time-encoding", "rfc3339"], lambda s: s.options.logging.times, "rfc3339"),
     "tracing": (["--tracing=false"], lambda s: s.tracing, None),
-    "health-checking": (["--health-checking"], lambda s: s.args.health_checking, True),
-    "metrics-port": (["--metrics-port", "9191"], lambda s: s.args.metrics_port, 9191),
-    "grpc-health-port": (["--grpc-health-port", "9103"], lambda s: s.args.grpc_health_port, 9103),
+    "health-checking": (["--health-checking"], lambda s: s.options.serving.health_checking, True),
+    "metrics-port": (["--metrics-port", "9191"], lambda s: s.options.serving.metrics_port, 9191),
+    "grpc-health-port": (["--grpc-health-port", "9103"], lambda s: s.options.serving.grpc_health_port, 9103),
     "enable-pprof": (["--enable-pprof"], lambda s: s.features.pprof, True),
-    "cert-path": (["--cert-path", "/certs"], lambda s: s.args.cert_path, "/certs"),
-    "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.args.enable_cert_reload, True),
-    "secure-serving": (["--secure-serving=false"], lambda s: s.args.secure_serving, False),
+    "cert-path": (["--cert-path", "/certs"], lambda s: s.options.tls.cert_path, "/certs"),
+    "enable-cert-reload": (["--enable-cert-reload"], lambda s: s.options.tls.enable_cert_reload, True),
+    "secure-serving": (["--secure-serving=false"], lambda s: s.options.tls.secure_serving, False),
     "metrics-endpoint-auth": (["--metrics-endpoint-auth=true"], lambda s: s.features.metrics_endpoint_auth, True),
-    "config-file": (["--config-file", "/config/epp.yaml"], lambda s: s.args.config_file, "/config/epp.yaml"),
+    "config-file": (
+        ["--config-file", "/config/epp.yaml"],
+        lambda s: s.options.scheduling.config_file,
+        "/config/epp.yaml",
+    ),
     "config-text": (
         ["--config-text", "kind: EndpointPickerConfig"],
-        lambda s: s.args.config_text,
+        lambda s: s.options.scheduling.config_text,
         "kind: EndpointPickerConfig",
     ),
 }
@@ -237,15 +253,34 @@ def test_leader_election_needs_a_lease_to_name(monkeypatch: pytest.MonkeyPatch) 
         server("--endpoint-selector", "app=vllm", "--pool-namespace", "ns", "--ha-enable-leader-election")
     monkeypatch.setenv("POD_NAME", "vllm-epp-5d8f7c9b4-x2x7q")
     elected = server("--endpoint-selector", "app=vllm", "--pool-namespace", "ns", "--ha-enable-leader-election")
-    assert elected.lease_name == "epp-ns-vllm-epp.gateway-api-inference-extension.sigs.k8s.io"
+    assert elected.options.lease_name == "epp-ns-vllm-epp.gateway-api-inference-extension.sigs.k8s.io"
 
 
 def test_workers_refuse_leader_election() -> None:
     """The Lease is held by one process: several workers would each compete for it."""
     args = build_parser().parse_args([*BASE, "--workers", "2", "--pool-name", "p", "--ha-enable-leader-election"])
     with pytest.raises(FlagError, match="^--workers: leader election"):
-        check_workers(args)
-    check_workers(build_parser().parse_args([*BASE, "--workers", "2"]))
+        serve_options(args)
+    assert serve_options(build_parser().parse_args([*BASE, "--workers", "2"])).serving.workers == 2
+
+
+def test_an_empty_pool_namespace_is_the_pods_namespace_else_default() -> None:
+    """As the reference: --pool-namespace left empty means $NAMESPACE, else `default`."""
+    args = build_parser().parse_args(BASE)
+    assert serve_options(args, {"NAMESPACE": "team-a"}).discovery.pool_namespace == "team-a"
+    assert serve_options(args, {}).discovery.pool_namespace == "default"
+    given = build_parser().parse_args([*BASE, "--pool-namespace", "ns"])
+    assert serve_options(given, {"NAMESPACE": "team-a"}).discovery.pool_namespace == "ns"
+    assert args.pool_namespace == ""  # resolved into the options, the parsed flags left as given
+
+
+def test_flag_values_that_cannot_be_used_are_refused_at_start() -> None:
+    with pytest.raises(EndpointListError, match="^--endpoint-selector: expected k=v"):
+        server("--endpoint-selector", "app")
+    with pytest.raises(EndpointListError, match="^--endpoint-target-ports: expected ports"):
+        server("--pool-name", "pool", "--endpoint-target-ports", "80,http")
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        server("--config-file", "a.yaml", "--config-text", "kind: EndpointPickerConfig")
 
 
 def test_model_server_metrics_path_and_port_are_checked() -> None:
@@ -253,7 +288,7 @@ def test_model_server_metrics_path_and_port_are_checked() -> None:
         server("--model-server-metrics-path", '"/prometheus/metrics"')  # the quotes a YAML list keeps
     with pytest.raises(FlagError, match="^--model-server-metrics-port: "):
         server("--model-server-metrics-port", "70000")
-    assert server().scrape_defaults == ScrapeSettings()
+    assert server().options.data_layer.scrape == ScrapeSettings()
 
 
 @pytest.mark.parametrize(
@@ -330,7 +365,7 @@ def test_the_config_s_metrics_source_parameters_override_the_flags_which_overrid
         "--model-server-metrics-scheme", "https",
         "--model-server-metrics-https-insecure-skip-verify=false",
         "--model-server-metrics-port", "8001",
-    ).scrape_defaults  # fmt: skip
+    ).options.data_layer.scrape  # fmt: skip
     assert scrape_settings(None, flags) == flags  # no dataLayer: the flags
     assert scrape_settings(data_sources("{}"), flags) == flags
     explicit = scrape_settings(data_sources("{path: /metrics, scheme: http, insecureSkipVerify: true}"), flags)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from picker.serve import FlagError, build_parser, check_refused
+from picker.serve.flags import FlagError, build_parser, serve_options
 from picker.state.sync import stream_name
 from picker.state.url import StoreUrl, parse_store_url
 
@@ -70,4 +70,4 @@ def test_a_bad_store_key_is_refused_naming_the_flag(key: str) -> None:
 def test_a_store_key_without_a_store_is_refused() -> None:
     args = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--state-store-key", "team-a"])
     with pytest.raises(FlagError, match="give --state-store too"):
-        check_refused(args)
+        serve_options(args)
