@@ -44,7 +44,7 @@ def build_wheel(tmp_path: Path, project: str) -> list[str]:
 
 def test_the_products_wheel_holds_no_simulator_or_bench_module(tmp_path: Path) -> None:
     names = build_wheel(tmp_path, ".")
-    assert "picker/serve.py" in names and "picker/extproc/server.py" in names
+    assert "picker/serve/server.py" in names and "picker/extproc/server.py" in names
     rig = [n for n in names if n.startswith(("picker_sim/", "picker_bench/", "picker/sim/", "picker/bench/"))]
     assert rig == []
     assert {n.split("/")[0] for n in names} == {"picker", "picker-0.1.0.dist-info"}
