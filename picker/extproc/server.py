@@ -135,7 +135,10 @@ class ExtProcServer:
             try:
                 self._handle(event)
             except Exception as error:
-                self._failed(event.id, error)
+                if isinstance(event, core.ResponseHeaders | core.ResponseBody | core.ResponseTrailers):
+                    self._response_failed(event, error)
+                else:
+                    self._failed(event.id, error)
 
     def _handle(self, event: core.StreamEvent) -> None:
         match event:
@@ -144,17 +147,20 @@ class ExtProcServer:
                 self._routing[event.id] = asyncio.create_task(routing)
             case core.ResponseBody():
                 metadata = None
-                if (routed := self._reported(event.id, event.end_of_stream)) is not None:
+                if (routed := self._reported(event.id)) is not None:
                     metadata = routed.response_body(event.data, event.end_of_stream, event.served, event.first_byte_at)
+                    self._forget_at_end(event.id, event.end_of_stream)
                 if event.asks:  # the answer to this chunk waits for what the response-metadata hooks report
                     self._core.metadata(event.id, _plain(metadata))
             case core.ResponseHeaders():
-                if (routed := self._reported(event.id, event.end_of_stream)) is not None:
+                if (routed := self._reported(event.id)) is not None:
                     routed.response_headers(event.status, event.served, event.content_type, event.end_of_stream)
+                    self._forget_at_end(event.id, event.end_of_stream)
             case core.ResponseTrailers():
                 metadata = None
-                if (routed := self._reported(event.id, True)) is not None:
+                if (routed := self._reported(event.id)) is not None:
                     metadata = routed.response_trailers()
+                    self._forget_at_end(event.id, True)
                 if event.asks:
                     self._core.metadata(event.id, _plain(metadata))
             case core.Closed():
@@ -171,10 +177,16 @@ class ExtProcServer:
             case _:
                 assert_never(event)
 
-    def _reported(self, stream: int, end: bool) -> RoutedRequest | None:
-        """The request a response event is about, forgotten at the response's end (None once a
-        failure ended it: the response still passes, nothing more is reported)."""
-        return self._routed.pop(stream, None) if end else self._routed.get(stream)
+    def _reported(self, stream: int) -> RoutedRequest | None:
+        """The request a response event is about (None once a failure ended it: the response
+        still passes, nothing more is reported)."""
+        return self._routed.get(stream)
+
+    def _forget_at_end(self, stream: int, end: bool) -> None:
+        """The response ended and was reported whole: the request is no longer this stream's.
+        (Forgotten only after the report, so a report that fails still finds it to finish.)"""
+        if end:
+            self._routed.pop(stream, None)
 
     async def _route(self, stream: int, body: bytes, headers: Mapping[str, str], subset: list[str] | None) -> None:
         try:
@@ -205,6 +217,20 @@ class ExtProcServer:
             log.error("ext_proc stream failed", exc_info=error)
             error = _internal_error()
         self._fail(stream, error)
+
+    def _response_failed(
+        self, event: core.ResponseHeaders | core.ResponseBody | core.ResponseTrailers, error: Exception
+    ) -> None:
+        """A bug while reading the response (e.g. a parser's usage reader): the response already
+        under way passes untouched, its request ends with Internal (its in-flight slot released)
+        and nothing more of it is reported; an answer the core waits for is given."""
+        log.error("reading the response of ext_proc stream %d failed", event.id, exc_info=error)
+        metrics.STREAM_ERRORS.labels("Internal").inc()
+        routed = self._routed.pop(event.id, None)
+        if routed is not None:
+            routed.finish("Internal")
+        if not isinstance(event, core.ResponseHeaders) and event.asks:
+            self._core.metadata(event.id, None)
 
     def _fail(self, stream: int, error: RequestError) -> None:
         """Answer the client with `error`; the request, if routed, ends with its code."""

@@ -32,6 +32,9 @@ What a plugin's failure does (the failure policy; `picker.requestcontrol.hooks` 
   scheduler's `ProfileHandler`, `Filter`, `Scorer` and `Picker`, with the `RequestError` they
   raise (e.g. the parser's 400, the profile handler's 429) or, for any other exception, 500
   Internal, logged with its traceback.
+- Once the response is under way nothing fails it: a `Parser`'s `response_usage` that raises
+  is logged, the response passes untouched and its request ends with Internal
+  (`picker.extproc.server` applies this).
 
 Scorers return one score per candidate, aligned with the candidate sequence they were given
 (a list is cheaper than a dict keyed by address, and the candidates are already ordered).

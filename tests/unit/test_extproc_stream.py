@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -24,6 +25,10 @@ from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.extproc.server import ExtProcServer, ExtProcSettings
+from picker.framework.registry import Registration
+from picker.framework.request import Usage
+from picker.plugins import REGISTRY
+from picker.request.parser import OpenAIParser
 from picker.requestcontrol.director import Director, RoutedRequest
 from tests.sim_fixtures import eventually
 
@@ -215,6 +220,39 @@ async def test_a_streamed_answer_passes_chunk_by_chunk_and_reports_usage_and_fir
     assert routed.response_bytes == sum(map(len, events))
     # The chunks reach Python together at the end; TTFT still runs from when the core saw the first.
     assert routed.first_byte_at is not None and first_sent <= routed.first_byte_at < last_sent
+
+
+class UsageReaderThatFails(OpenAIParser):
+    """OpenAI parsing, and a whole-body usage reader that raises (a bug on the response side)."""
+
+    plugin_type = "test-usage-reader-that-fails"
+    reads_response_usage = True
+
+    def response_usage(self, body: bytes) -> Usage | None:
+        raise RuntimeError("usage reader fails on purpose")
+
+
+async def test_a_failure_reading_the_response_lets_it_pass_and_releases_its_request(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    kind = UsageReaderThatFails.plugin_type
+    create = lambda name, parameters, handle: UsageReaderThatFails(name)  # noqa: E731
+    monkeypatch.setitem(REGISTRY.registrations, kind, Registration(kind, create))
+    d = director()
+    d.runtimes.load_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        f"plugins: [{{type: queue-scorer}}, {{name: usage, type: {kind}}}]\nparser: {{pluginRef: usage}}\n"
+    )
+    answer = b'{"choices":[{"text":"a"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
+    async with serving(d) as stub:
+        call, _ = await exchange(stub, [headers(), body(json.dumps({"model": "m", "prompt": "x"}).encode(), True)], 2)
+        await call.write(response_headers("application/json"))
+        await call.read()
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True)))
+        passed = (await call.read()).response_body.response.body_mutation.streamed_response
+        assert (passed.body, passed.end_of_stream) == (answer, True)  # passed untouched, not rejected
+        await released(d)  # and its in-flight slot is not leaked
+    assert any("usage reader fails on purpose" in str(r.exc_info and r.exc_info[1]) for r in caplog.records)
 
 
 KINDS = st.sampled_from(["rh", "rh_eos", "rb", "rb_eos", "rt", "sh", "sb", "sb_eos", "st", "junk"])
