@@ -31,12 +31,13 @@ from picker.datastore.endpoint import EndpointState
 from picker.framework.cycle_state import CycleState
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
-from picker.framework.plugin import PreRequest, SchedulingResult, Scorer, ScorerCategory
+from picker.framework.plugin import BackgroundWork, PreRequest, SchedulingResult, Scorer, ScorerCategory
 from picker.framework.request import InferenceRequest
 from picker.prefix.hotspot import over_bound
 from picker.prefix.plugins import PREFIX_MATCH_KEY
 
 SessionKey = tuple[str | None, str, str]  # tenant, model, session
+_TABLE_KEY = "prefix/sessions"  # + ":" + the scorer's name (`Handle.persistent`)
 
 
 class SessionTable:
@@ -67,6 +68,16 @@ class SessionTable:
         entries = self._entries
         entries[key] = (address, self._clock())
         entries.move_to_end(key)
+        self._trim()
+
+    def reconfigure(self, capacity: int, idle_timeout_s: float) -> None:
+        """Take a new capacity and idle timeout (a reload changed them), keeping the sessions:
+        the least recently used beyond `capacity` are forgotten."""
+        self.capacity, self.idle_timeout_s = capacity, idle_timeout_s
+        self._trim()
+
+    def _trim(self) -> None:
+        entries = self._entries
         while len(entries) > self.capacity:
             entries.popitem(last=False)
 
@@ -76,20 +87,34 @@ class SessionTable:
             del self._entries[key]
 
 
-class SessionAffinityScorer(Scorer, PreRequest):
-    """`session-affinity-scorer`: see the module docstring."""
+class SessionAffinityScorer(Scorer, PreRequest, BackgroundWork):
+    """`session-affinity-scorer`: see the module docstring.
+
+    Its session table is its own and outlives reloads by its name: a reload that changes
+    `capacity` or `idleTimeout` keeps the sessions (the table takes them once the config is
+    installed), and two scorers by different names keep separate tables.
+    """
 
     plugin_type = "session-affinity-scorer"
     category = ScorerCategory.AFFINITY
 
     def __init__(
-        self, name: str, table: SessionTable, fields: Sequence[str], header: str | None, max_load_factor: float
+        self,
+        name: str,
+        table: SessionTable,
+        fields: Sequence[str],
+        header: str | None,
+        max_load_factor: float,
+        capacity: int,
+        idle_timeout_s: float,
     ) -> None:
         super().__init__(name)
         self.table = table
         self.fields = tuple(fields)
         self.header = header
         self.max_load_factor = max_load_factor
+        self.capacity = capacity
+        self.idle_timeout_s = idle_timeout_s
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> SessionAffinityScorer:
@@ -102,17 +127,26 @@ class SessionAffinityScorer(Scorer, PreRequest):
         effective = p.finish()
         if idle <= 0:
             raise PluginConfigError(f"idleTimeout: must be positive, got {parameters.get('idleTimeout')!r}")
-        table = handle.persistent(f"prefix/sessions:{capacity}:{idle}", lambda: SessionTable(capacity, idle))
+        key = f"{_TABLE_KEY}:{name}"
+        table = handle.persistent(key, lambda: SessionTable(capacity, idle))
         datastore = handle.datastore
         if datastore is not None:
             handle.persistent(
-                f"prefix/sessions:{capacity}:{idle}/listener",
+                f"{key}/listener",
                 lambda: datastore.on_departure(table.forget),
                 datastore.remove_listener,
             )
-        scorer = cls(name, table, fields, header.lower() or None, factor)
+        scorer = cls(name, table, fields, header.lower() or None, factor, capacity, idle)
         scorer.parameters = effective
         return scorer
+
+    def start(self) -> None:
+        """The table takes this config's capacity and idle timeout once the config is installed
+        (a config that fails validation after this scorer was built leaves it alone)."""
+        self.table.reconfigure(self.capacity, self.idle_timeout_s)
+
+    async def stop(self) -> None:
+        """Nothing runs: the table outlives the config."""
 
     def session(self, request: InferenceRequest) -> SessionKey | None:
         """The request's session key, scoped by tenant and model; None without one."""

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointState
 from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
@@ -141,6 +142,49 @@ async def test_from_a_config_sessions_survive_a_reload_and_departed_endpoints_ar
         assert isinstance(plugin, SessionAffinityScorer) and len(plugin.table) == 0
     finally:
         await holder.stop()
+
+
+def sessions_config(*names: str, parameters: str = "") -> str:
+    """A config of session scorers called `names`, each with `parameters` (a flow mapping's body)."""
+    entries = ", ".join(
+        f"{{name: {name}, type: session-affinity-scorer, parameters: {{{parameters}}}}}" for name in names
+    )
+    return f"apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins: [{entries}]\n"
+
+
+def session_scorer(runtime: Runtime, name: str) -> SessionAffinityScorer:
+    plugin = runtime.plugins[name]
+    assert isinstance(plugin, SessionAffinityScorer)
+    return plugin
+
+
+async def test_a_reload_that_changes_capacity_or_idle_timeout_keeps_the_sessions() -> None:
+    holder = RuntimeHolder(Datastore())
+    pods = [state(1), state(2), state(3)]
+    plugin = session_scorer(holder.load_text(sessions_config("s", parameters="capacity: 3")), "s")
+    await holder.start()
+    try:
+        for conversation, pod in zip(("c1", "c2", "c3"), pods):
+            routed(plugin, turn({"prompt_cache_key": conversation}), pod)
+        reloaded = holder.load_text(sessions_config("s", parameters="capacity: 2, idleTimeout: 1h"))
+        await holder.settle()
+        again = session_scorer(reloaded, "s")
+        assert again.table is plugin.table
+        assert (again.table.capacity, again.table.idle_timeout_s, len(again.table)) == (2, 3600.0, 2)
+        # The least recently used session went; the others still lead to their endpoints.
+        scores = [again.score(turn({"prompt_cache_key": c}), CycleState(), pods) for c in ("c1", "c2", "c3")]
+        assert scores == [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    finally:
+        await holder.stop()
+
+
+def test_scorers_by_different_names_keep_their_own_sessions() -> None:
+    runtime = RuntimeHolder(Datastore()).load_text(sessions_config("first", "second"))  # equal parameters
+    first, second = session_scorer(runtime, "first"), session_scorer(runtime, "second")
+    pods = [state(1), state(2)]
+    routed(first, turn({"prompt_cache_key": "conv"}), pods[0])
+    assert first.score(turn({"prompt_cache_key": "conv"}), CycleState(), pods) == [1.0, 0.0]
+    assert second.score(turn({"prompt_cache_key": "conv"}), CycleState(), pods) == [0.0, 0.0]
 
 
 def test_the_affinity_yields_where_the_index_says_the_history_was_evicted() -> None:
