@@ -23,17 +23,21 @@ Parameters (llm-d's names where they exist):
   `capacityPerEndpoint` (200000 blocks; with `autoTune`, 2 x the engine's GPU blocks when
   scraped), `replayTimeout` ("1s").
 
-The index and subscriber live in `Handle.persistent`, so a config reload with the same
-parameters keeps the warm index; changed parameters replace them (the old subscriber stops).
+The index and subscriber are the scorer's own and outlive reloads by its name (two scorers by
+different names keep separate ones). A reload that keeps `blockSizeTokens` and the publishers'
+settings (`kvEventsPort`, `kvEventsReplayPort`, `topicFilter`, `modelName`) keeps the warm index
+and applies the rest to it once the config is installed; one that changes them builds a new index
+and subscriber, which replace the old ones (closed then) once the config is installed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from picker.datastore.endpoint import EndpointState
+from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState, StateKey
 from picker.framework.handle import Handle
 from picker.framework.parameters import Parameters, PluginConfigError
@@ -53,7 +57,7 @@ from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
 from picker.prefix.prompt_blocks import TOKENS
 
-_RUNTIME_KEY = "kvevents/precise-index"
+_RUNTIME_KEY = "kvevents/precise-index"  # + ":" + the scorer's name (`Handle.persistent`)
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
 # The pick's prediction, ended with the request.
@@ -111,14 +115,41 @@ def _weight(value: Any, tier: str) -> float:
 
 
 class PreciseRuntime:
-    """The index and its subscriber, shared by every scorer instance built from one config and
-    kept across reloads with the same parameters; released (subscriber stopped) when the
-    installed config no longer has them."""
+    """An index and the subscriber that feeds it (none without a datastore)."""
 
     def __init__(self, config: PreciseConfig, index: PreciseIndex, subscriber: KVEventSubscriber | None) -> None:
         self.config = config
         self.index = index
         self.subscriber = subscriber
+
+    @classmethod
+    def build(cls, config: PreciseConfig, datastore: Datastore | None) -> PreciseRuntime:
+        """A new index with `config`'s settings and, with a datastore, its subscriber (not started)."""
+        index = PreciseIndex(
+            config.block_size,
+            weights=config.weights,
+            speculative_ttl=config.speculative_ttl,
+            default_capacity=config.capacity,
+        )
+        subscriber = None if datastore is None else KVEventSubscriber(index, datastore, config.subscriber)
+        return cls(config, index, subscriber)
+
+    def serves(self, config: PreciseConfig) -> bool:
+        """Whether this index and subscriber are right for `config`: the same block size (the
+        index's keys) and the same publishers, topic and model (what its entries came from);
+        everything else `reconfigure` applies in place."""
+        return config.block_size == self.config.block_size and self.config.subscriber == replace(
+            config.subscriber, replay_timeout=self.config.subscriber.replay_timeout
+        )
+
+    def reconfigure(self, config: PreciseConfig) -> None:
+        """Take `config` (which this runtime `serves`), keeping what the index holds."""
+        self.index.reconfigure(
+            config.weights, config.speculative_ttl, config.capacity, keep_capacities=config.auto_tune
+        )
+        if self.subscriber is not None:
+            self.subscriber.config = config.subscriber
+        self.config = config
 
     def start(self) -> None:
         """Start the subscriber on the running loop (a second call does nothing)."""
@@ -126,9 +157,49 @@ class PreciseRuntime:
             self.subscriber.start()
 
     async def close(self) -> None:
-        """Stop the subscriber and detach it from the datastore."""
+        """Stop the subscriber and detach it from the datastore (a second call does nothing)."""
         if self.subscriber is not None:
             await self.subscriber.stop()
+
+
+class PreciseRuntimeSlot:
+    """The runtime of the scorer called by one name, kept across reloads (`Handle.persistent`).
+
+    A config's scorer takes the runtime in the slot when it `serves` the config, else a new one
+    (`runtime_for`). Once the config is installed, its scorer puts its runtime in the slot
+    (`install`) and the scorer of the config before closes its own if that was replaced
+    (`retire`); the runtime in the slot closes when no installed config has the scorer.
+    """
+
+    def __init__(self) -> None:
+        self.runtime: PreciseRuntime | None = None
+
+    def runtime_for(self, config: PreciseConfig, datastore: Datastore | None) -> PreciseRuntime:
+        """The runtime in the slot if it serves `config`, else a new one (the slot's, if empty).
+        Nothing starts here: the config may yet be rejected."""
+        current = self.runtime
+        if current is not None and current.serves(config):
+            return current
+        runtime = PreciseRuntime.build(config, datastore)
+        if current is None:
+            self.runtime = runtime
+        return runtime
+
+    def install(self, runtime: PreciseRuntime, config: PreciseConfig) -> None:
+        """`runtime` is the installed config's, with `config`: start it."""
+        runtime.reconfigure(config)
+        self.runtime = runtime
+        runtime.start()
+
+    async def retire(self, runtime: PreciseRuntime) -> None:
+        """A scorer of this name stopped: close its runtime unless the installed one uses it."""
+        if runtime is not self.runtime:
+            await runtime.close()
+
+    async def close(self) -> None:
+        """No installed config has the scorer any more: close the runtime in the slot."""
+        if self.runtime is not None:
+            await self.runtime.close()
 
 
 class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, BackgroundWork):
@@ -139,36 +210,27 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     consumes = frozenset({PROMPT_BLOCKS_KEY})
     produces = frozenset({ENGINE_CACHED_TOKENS_KEY})
 
-    def __init__(self, name: str, runtime: PreciseRuntime) -> None:
+    def __init__(self, name: str, config: PreciseConfig, slot: PreciseRuntimeSlot, runtime: PreciseRuntime) -> None:
         super().__init__(name)
+        self.config = config
+        self.slot = slot
         self.runtime = runtime
         self.index = runtime.index
         self._capacities: dict[str, int] = {}
 
     def start(self) -> None:
-        self.runtime.start()
+        """The runtime takes this config (or replaces the one before) once it is installed."""
+        self.slot.install(self.runtime, self.config)
 
     async def stop(self) -> None:
-        """Nothing of the plugin's own: the subscriber belongs to the shared runtime, which stops
-        when the installed config no longer uses it (or the server stops)."""
+        """Close the runtime if the installed config replaced it; one it uses stays."""
+        await self.slot.retire(self.runtime)
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
         config, effective = PreciseConfig.parse(parameters)
-        datastore = handle.datastore
-
-        def create_runtime() -> PreciseRuntime:
-            index = PreciseIndex(
-                config.block_size,
-                weights=config.weights,
-                speculative_ttl=config.speculative_ttl,
-                default_capacity=config.capacity,
-            )
-            subscriber = None if datastore is None else KVEventSubscriber(index, datastore, config.subscriber)
-            return PreciseRuntime(config, index, subscriber)
-
-        runtime = handle.persistent(f"{_RUNTIME_KEY}:{config!r}", create_runtime, PreciseRuntime.close)
-        scorer = cls(name, runtime)
+        slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
+        scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore))
         scorer.parameters = effective
         return scorer
 
@@ -178,7 +240,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         hashes = self.block_hashes(cycle_state)
         if not hashes:
             return
-        if self.runtime.config.auto_tune:
+        if self.config.auto_tune:
             self._tune_capacity(candidates)
         scores = self.index.score(hashes, [c.address for c in candidates])
         cycle_state[_SCORES_KEY] = scores
@@ -207,7 +269,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         blocks = result.cycle_state.read(PROMPT_BLOCKS_KEY)
         if blocks is not None and blocks.token_ids is not None:
             self.index.record_scope(address, blocks.token_ids, request.target_model, request.cache_salt, request.tenant)
-        prediction = self.index.insert_speculative(address, hashes, self.runtime.config.speculative_hold)
+        prediction = self.index.insert_speculative(address, hashes, self.config.speculative_hold)
         if prediction is not None:
             result.cycle_state[_PREDICTION_KEY] = prediction
 

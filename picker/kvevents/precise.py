@@ -164,14 +164,11 @@ class PreciseIndex:
         if default_capacity <= 0:
             raise ValueError("default_capacity must be positive")
         self.block_size = block_size
-        self.weights = weights
         self.speculative_ttl = speculative_ttl
         self.default_capacity = default_capacity
         self._max_scope_hints = max_scope_hints
         self._clock = clock
-        self._top = max(weights.gpu, weights.cpu)
-        # Weight of every combination of tier bits, looked up per published key.
-        self._tier_weights = [weights.weight(tiers) for tiers in range((GPU | CPU | SPECULATIVE) + 1)]
+        self._set_weights(weights)
         # own key -> the endpoints holding it (interned, see picker.prefix.holders), and for the
         # few keys some endpoint holds below the top weight (offloaded), {endpoint: weight}.
         self._where: dict[int, frozenset[str]] = {}
@@ -182,6 +179,37 @@ class PreciseIndex:
         self._expiries: list[tuple[float, int, Prediction]] = []
         self._predictions = itertools.count()
         self._scope_hints: dict[tuple[str, int], int] = {}
+
+    def _set_weights(self, weights: TierWeights) -> None:
+        self.weights = weights
+        self._top = max(weights.gpu, weights.cpu)
+        # Weight of every combination of tier bits, looked up per published key.
+        self._tier_weights = [weights.weight(tiers) for tiers in range((GPU | CPU | SPECULATIVE) + 1)]
+
+    def reconfigure(
+        self, weights: TierWeights, speculative_ttl: float, default_capacity: int, *, keep_capacities: bool
+    ) -> None:
+        """Take new tier weights, prediction TTL and default capacity (a reload changed them) and
+        keep what the index holds: held keys are weighed again; endpoints at the old default
+        capacity take the new one (losing their oldest keys beyond it), and so does every other
+        endpoint unless `keep_capacities` (capacities tuned from the engines' block counts).
+        Predictions made already keep their deadlines."""
+        if default_capacity <= 0:
+            raise ValueError("default_capacity must be positive")
+        old_default, self.default_capacity = self.default_capacity, default_capacity
+        self.speculative_ttl = speculative_ttl
+        if weights != self.weights:
+            self._set_weights(weights)
+            below: dict[int, dict[str, float]] = {}
+            for endpoint, cache in self._caches.items():
+                for key, tiers in cache.tiers.items():
+                    weight = self._tier_weights[tiers]
+                    if weight < self._top:
+                        below.setdefault(key, {})[endpoint] = weight
+            self._below_top = below
+        for endpoint, cache in self._caches.items():
+            if cache.capacity == old_default or not keep_capacities:
+                self.set_capacity(endpoint, default_capacity)
 
     # -- endpoints -----------------------------------------------------------------------------
 

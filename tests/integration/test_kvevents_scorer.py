@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import pytest
 import zmq
 import zmq.asyncio
 
+from picker.config.runtime import Runtime
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.framework.parameters import PluginConfigError
 from picker.kvevents.decode import BlockStored
-from picker.kvevents.plugins import PreciseConfig, PreciseScorer
+from picker.kvevents.plugins import PreciseConfig, PreciseRuntime, PreciseScorer
+from picker.kvevents.precise import TierWeights
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
 from tests.routing import Router, completion
@@ -99,7 +103,7 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
         ending = scorer.index.predicted_until(target)
         assert ending is not None and ending <= time.monotonic() + 2.0
 
-        # A reload with the same parameters keeps the warm index; changed ones replace it.
+        # A reload with the same parameters keeps the warm index; a new block size replaces it.
         assert holder.load_text(config()).plugins["precise-prefix-cache-scorer"].index is scorer.index
         replaced = holder.load_text(config(block_size=8)).plugins["precise-prefix-cache-scorer"]
         assert replaced.index is not scorer.index
@@ -111,30 +115,142 @@ async def test_scorer_routes_to_the_endpoint_whose_engine_reports_the_prefix() -
         ctx.term()
 
 
-async def test_a_salted_request_maps_the_engines_blocks_into_its_scope() -> None:
+class OneEngine(NamedTuple):
+    """A pool of one endpoint whose engine publishes KV events, and a router over it."""
+
+    publisher: Publisher
+    endpoint: Endpoint
+    router: Router
+
+
+@pytest.fixture
+async def one_engine() -> AsyncIterator[OneEngine]:
     ctx = zmq.asyncio.Context()
     publisher = Publisher(ctx)
+    # Every subscription reported, not only a topic's first: a second subscriber can be waited for.
+    publisher.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     datastore = Datastore()
     endpoint = Endpoint(HOST, 9000, kv_events_address=publisher.address)
     datastore.set_endpoints([endpoint])
     router = Router(datastore)
+    try:
+        yield OneEngine(publisher, endpoint, router)
+    finally:
+        await router.runtimes.stop()
+        await publisher.close()
+        ctx.term()
+
+
+async def test_a_salted_request_maps_the_engines_blocks_into_its_scope(one_engine: OneEngine) -> None:
+    publisher, endpoint, router = one_engine
     holder = router.runtimes
     runtime = holder.load_text(config(block_size=16, ttl="0s"))  # only events count
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
-    try:
-        await holder.start()
-        salted = await router.route(body(PROMPT * 2, salt="tenant-a"), "s1")  # its pre-request maps the scope
-        await publisher.subscribed()
-        publisher.publish(stored(PROMPT * 2, 16))  # the engine's event carries no salt
-        salted_keys = token_block_hashes(PROMPT * 2, 16, chain_seed(MODEL, "tenant-a"))
-        await until(lambda: scorer.index.score(salted_keys, [endpoint.address]) == [1.0], what="the salted chain")
-        plain = await router.pick(body(PROMPT * 2), "p1")
-        assert plain.profile_results["default"].scores[scorer.name] == [0.0]
-        salted.finish()
-    finally:
-        await holder.stop()
-        await publisher.close()
-        ctx.term()
+    await holder.start()
+    salted = await router.route(body(PROMPT * 2, salt="tenant-a"), "s1")  # its pre-request maps the scope
+    await publisher.subscribed()
+    publisher.publish(stored(PROMPT * 2, 16))  # the engine's event carries no salt
+    salted_keys = token_block_hashes(PROMPT * 2, 16, chain_seed(MODEL, "tenant-a"))
+    await until(lambda: scorer.index.score(salted_keys, [endpoint.address]) == [1.0], what="the salted chain")
+    plain = await router.pick(body(PROMPT * 2), "p1")
+    assert plain.profile_results["default"].scores[scorer.name] == [0.0]
+    salted.finish()
+
+
+def scorers(*names: str, parameters: str = "") -> str:
+    """A config of precise scorers called `names`, each with the same parameters (and `parameters`)."""
+    entries = "".join(
+        f"- {{name: {name}, type: precise-prefix-cache-scorer,"
+        f" parameters: {{kvEventsPort: null, modelName: {MODEL}, blockSizeTokens: 4{parameters}}}}}\n"
+        for name in names
+    )
+    return HEADER + "plugins:\n" + entries
+
+
+def precise(runtime: Runtime, name: str) -> PreciseScorer:
+    scorer = runtime.plugins[name]
+    assert isinstance(scorer, PreciseScorer)
+    return scorer
+
+
+async def another_subscription(publisher: Publisher) -> None:
+    """Wait for a new subscription to the publisher (skipping unsubscriptions)."""
+    while True:
+        assert await publisher.pub.poll(5000), "no subscriber connected"
+        if (await publisher.pub.recv()).startswith(b"\x01kv@"):
+            return
+
+
+async def test_a_reload_keeps_the_warm_index_unless_its_block_size_or_publishers_change(one_engine: OneEngine) -> None:
+    publisher, endpoint, router = one_engine
+    holder = router.runtimes
+    keys = token_block_hashes(PROMPT, 4, chain_seed(MODEL))
+    scorer = precise(holder.load_text(scorers("p")), "p")
+    await holder.start()
+    await another_subscription(publisher)
+    publisher.publish(stored(PROMPT[:32]))
+    await until(lambda: scorer.index.score(keys, [endpoint.address]) == [0.8], what="the engine's blocks")
+
+    # Weights, TTL, capacity and replay timeout apply to the warm index and its subscription.
+    changed = ", tierWeights: {cpu: 0.5}, speculativeTTL: 1s, replayTimeout: 3s, autoTune: false"
+    tuned = precise(holder.load_text(scorers("p", parameters=changed + ", capacityPerEndpoint: 6")), "p")
+    await holder.settle()
+    index = scorer.index
+    assert tuned.runtime is scorer.runtime and tuned.index is index
+    assert (index.weights, index.speculative_ttl, index.default_capacity) == (TierWeights(1.0, 0.5), 1.0, 6)
+    assert set(index.own_keys(endpoint.address)) == set(keys[2:8])  # the newest 6 of the 8 blocks
+    subscriber = tuned.runtime.subscriber
+    assert subscriber is not None and subscriber.started and subscriber.config.replay_timeout == 3.0
+    publisher.publish(stored(PROMPT[:8]))  # the same subscription goes on
+    await until(lambda: keys[0] in index.own_keys(endpoint.address), what="the next event")
+
+    # A new block size cannot reuse the index's keys: a new index and subscriber replace them.
+    rebuilt = precise(holder.load_text(scorers("p", parameters=changed + ", blockSizeTokens: 8")), "p")
+    await holder.settle()
+    assert rebuilt.runtime is not tuned.runtime and rebuilt.index.block_size == 8
+    new_subscriber = rebuilt.runtime.subscriber
+    assert new_subscriber is not None and new_subscriber.started and not subscriber.started
+    await another_subscription(publisher)  # the new subscriber connected to the same publisher
+    publisher.publish(stored(PROMPT[:32]))
+    wide = token_block_hashes(PROMPT, 8, chain_seed(MODEL))
+    await until(lambda: rebuilt.index.score(wide, [endpoint.address]) == [0.8], what="the new index")
+    await holder.stop()
+    assert not new_subscriber.started
+
+
+async def test_scorers_by_different_names_keep_their_own_index_and_subscriber(one_engine: OneEngine) -> None:
+    publisher, endpoint, router = one_engine
+    holder = router.runtimes
+    runtime = holder.load_text(scorers("first", "second"))  # equal parameters
+    first, second = precise(runtime, "first"), precise(runtime, "second")
+    assert first.runtime is not second.runtime and first.index is not second.index
+    await holder.start()
+    for _ in (first, second):
+        await another_subscription(publisher)
+    publisher.publish(stored(PROMPT[:32]))
+    keys = token_block_hashes(PROMPT, 4, chain_seed(MODEL))
+    await until(
+        lambda: all(s.index.score(keys, [endpoint.address]) == [0.8] for s in (first, second)), what="both indexes"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, served",
+    [
+        ({"blockSizeTokens": 8}, False),  # the index's keys
+        ({"kvEventsPort": 5557}, False),  # the publishers, their topic and the model the entries came from
+        ({"kvEventsReplayPort": 5558}, False),
+        ({"topicFilter": "kv@pod-1"}, False),
+        ({"modelName": "other"}, False),
+        ({"replayTimeout": "3s"}, True),  # applied in place
+        ({"tierWeights": {"cpu": 0.5}, "speculativeTTL": "1s", "speculativeHold": "5s"}, True),
+        ({"capacityPerEndpoint": 6, "autoTune": False}, True),
+    ],
+)
+def test_a_runtime_serves_a_config_unless_its_keys_or_publishers_change(change: dict, served: bool) -> None:
+    parameters = {"kvEventsPort": None, "modelName": MODEL, "blockSizeTokens": 4}
+    runtime = PreciseRuntime.build(PreciseConfig.parse(parameters)[0], None)
+    assert runtime.serves(PreciseConfig.parse({**parameters, **change})[0]) is served
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,28 @@ def test_capacity_evicts_the_oldest_entries() -> None:
     assert set(idx.own_keys(A)) == set(own(other))
 
 
+def test_reconfigure_reweighs_held_blocks_and_resizes_endpoints_at_the_default_capacity() -> None:
+    clock = Clock()
+    idx = index(default_capacity=8, clock=clock)
+    idx.set_capacity(B, 10)  # tuned from B's engine
+    hashes = engine_hashes(PROMPT, 4)
+    keys = own(PROMPT)
+    for endpoint in (A, B):
+        idx.apply(endpoint, stored(PROMPT))
+        idx.apply(endpoint, BlockStored(tuple(hashes[4:]), None, (), 4, medium="CPU"))  # offloaded
+        idx.apply(endpoint, BlockRemoved(tuple(hashes[4:]), medium="GPU"))
+    assert idx.score(keys, [A, B]) == [pytest.approx((4 + 4 * 0.8) / 8)] * 2
+
+    idx.reconfigure(TierWeights(gpu=1.0, cpu=0.5), 5.0, 6, keep_capacities=True)
+    assert set(idx.own_keys(A)) == set(keys[2:])  # at the default: the new one, its 2 oldest blocks gone
+    assert idx.score(keys, [A, B]) == [0.0, pytest.approx((4 + 4 * 0.5) / 8)]  # B's tuned capacity stays
+    idx.insert_speculative(A, own(list(range(100, 108))))
+    assert idx.predicted_until(A) == clock.now + 5.0
+
+    idx.reconfigure(TierWeights(gpu=1.0, cpu=0.5), 5.0, 6, keep_capacities=False)
+    assert set(idx.own_keys(B)) == set(keys[2:])  # every endpoint takes the default
+
+
 def test_unknown_endpoints_score_zero_until_reset() -> None:
     idx = index()
     idx.apply(A, stored(PROMPT))
