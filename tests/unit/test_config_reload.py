@@ -29,7 +29,9 @@ def reloads(result: str) -> float:
     return CONFIG_RELOADS.labels(result)._value.get()
 
 
-async def until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
+# A deadline, not a bound under test: while the loop schedules back to back, the watch's file
+# read in a worker thread waits for the GIL (0.5-1.5 s a poll seen here).
+async def until(condition: Callable[[], bool], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
