@@ -3,7 +3,8 @@
 A new plugin type is added here (and nowhere else): its implementation lives with its concern
 (scheduling, prefix, latency, kvevents, datalayer, request) and knows nothing of this list.
 The reference EPP's types the picker does not have are listed too, with the reason a config
-naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`).
+naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`), and so are llm-d's scorers the picker does not
+have yet (`UNSUPPORTED_LLMD_TYPES`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
 from picker.request.vllm_grpc import VllmGrpcParser
 from picker.scheduling.concurrency import ConcurrencyDetector
+from picker.scheduling.disaggregation import DataParallelProfileHandler, PdProfileHandler, PrefillHeaderHandler
 from picker.scheduling.filters import HeaderBasedTestingFilter
+from picker.scheduling.labels import ByLabel, ByLabelSelector, DecodeFilter, PrefillFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from picker.scheduling.profile_handler import SingleProfileHandler
 from picker.scheduling.saturation import UtilizationDetector
@@ -60,6 +63,14 @@ REGISTRY = Registry(
         Registration(SingleProfileHandler.plugin_type, SingleProfileHandler.create),
         Registration(UtilizationDetector.plugin_type, UtilizationDetector.create),
         Registration(ConcurrencyDetector.plugin_type, ConcurrencyDetector.create),
+        # llm-d's label filters and its prefill/decode and data-parallel handling
+        Registration(ByLabel.plugin_type, ByLabel.create),
+        Registration(ByLabelSelector.plugin_type, ByLabelSelector.create),
+        Registration(PrefillFilter.plugin_type, PrefillFilter.create),
+        Registration(DecodeFilter.plugin_type, DecodeFilter.create),
+        Registration(PdProfileHandler.plugin_type, PdProfileHandler.create),
+        Registration(PrefillHeaderHandler.plugin_type, PrefillHeaderHandler.create),
+        Registration(DataParallelProfileHandler.plugin_type, DataParallelProfileHandler.create),
         # prefix: the approximate index, its scorers and the TTFT cost model
         Registration(
             ApproxPrefixCacheProducer.plugin_type,
@@ -105,4 +116,13 @@ UNSUPPORTED_REFERENCE_TYPES = {
     "k8s-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "endpoint-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "destination-endpoint-served-verifier": "a conformance-test plugin of the reference",
+}
+
+
+# Plugin types llm-d v0.4.0 registers that the picker does not have yet: a config naming one fails
+# with this reason rather than as an unknown type.
+UNSUPPORTED_LLMD_TYPES = {
+    "load-aware-scorer": "llm-d's load-aware scorer is not implemented yet (queue-scorer scores the waiting queue)",
+    "active-request-scorer": "llm-d's active-request scorer is not implemented yet",
+    "no-hit-lru-scorer": "llm-d's no-hit LRU scorer is not implemented yet",
 }

@@ -169,6 +169,27 @@ class SchedulingResult:
         return primary.targets if primary is not None else ()
 
 
+UPSTREAM_HEADERS_KEY = StateKey("UpstreamRequestHeaders", dict)
+"""Request headers for the model server that this request's plugins set (name → value; an empty
+value clears a header of that name the client sent): a profile handler in `process_results` or a
+`PreRequest` hook (e.g. llm-d's P/D header naming the prefill pick) writes them with
+`set_upstream_header`, and the picker's answer to the proxy sets them next to the destination."""
+
+
+def set_upstream_header(cycle_state: CycleState, name: str, value: str) -> None:
+    """Have the request reach the model server with header `name: value` (lower-case name)."""
+    headers = cycle_state.read(UPSTREAM_HEADERS_KEY)
+    if headers is None:
+        headers = {}
+        cycle_state[UPSTREAM_HEADERS_KEY] = headers
+    headers[name] = value
+
+
+def upstream_headers(cycle_state: CycleState) -> Mapping[str, str]:
+    """The request headers this request's plugins set for the model server (empty if none)."""
+    return cycle_state.read(UPSTREAM_HEADERS_KEY) or {}
+
+
 class ProfileHandler(Plugin):
     """Decides which profiles run, in rounds, and which result is primary."""
 

@@ -217,9 +217,12 @@ class PrefixConfig:
         auto_tune = p.boolean("autoTune", True)
         # Deprecated (a size in characters) and ignored, as in the reference, where it is an
         # error only beside a blockSizeTokens <= 0, which is invalid here anyway.
-        block_size = p.deprecated("blockSize")
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-            raise PluginConfigError(f"blockSize: must be an integer, got {block_size!r}")
+        # `hashBlockSize` is the same size by its name before the reference's v1.0, which llm-d's
+        # configs still use.
+        for key in ("blockSize", "hashBlockSize"):
+            block_size = p.deprecated(key)
+            if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+                raise PluginConfigError(f"{key}: must be an integer, got {block_size!r}")
         config = cls(
             auto_tune=auto_tune,
             block_size_tokens=p.integer("blockSizeTokens", 16, at_least=1),
@@ -282,8 +285,8 @@ class ApproxPrefixCacheProducer(
     Reference parameters: `autoTune` (true: block size from the first candidate's engine
     block size, LRU capacity from each endpoint's KV block count), `blockSizeTokens` (16),
     `maxPrefixBlocksToMatch` (256), `maxPrefixTokensToMatch` (overrides it when > 0),
-    `lruCapacityPerServer` (31250); `blockSize` (deprecated, in characters) is ignored. The
-    picker's own:
+    `lruCapacityPerServer` (31250); `blockSize` (deprecated, in characters; `hashBlockSize` by
+    its older name, as llm-d's configs have it) is ignored. The picker's own:
 
     - `tokenizers`: model (or LoRA adapter) name → `builtin` or a local tokenizer directory;
       the key `*` applies to every other model. Those models hash token blocks.

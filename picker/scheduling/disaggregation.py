@@ -1,0 +1,213 @@
+"""llm-d's prefill/decode (P/D) and data-parallel profile handlers, and its P/D request header.
+
+P/D (llm-d v0.4.0's meaning): `pd-profile-handler` runs the decode profile first; then the
+prefill profile, unless the part of the prompt the chosen decode pod does not hold in its prefix
+cache is shorter than `threshold`. The decode pick is the destination; `prefill-header-handler`
+names the prefill pick in the request header `x-prefiller-host-port`, which llm-d's routing
+sidecar in the decode pod reads to have the prompt prefilled there first. A request whose
+prefill profile finds no pod (or that is below the threshold) goes to the decode pick alone.
+
+Data parallel: `data-parallel-profile-handler` runs its one profile, sends the request to the
+pod's `primaryPort` and names the chosen rank (`ip:port`) in `x-data-parallel-host-port`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from picker.datastore.endpoint import EndpointState
+from picker.framework.cycle_state import CycleState
+from picker.framework.handle import Handle
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.framework.plugin import (
+    PreRequest,
+    ProfileHandler,
+    ProfileRunResult,
+    SchedulingResult,
+    set_upstream_header,
+)
+from picker.framework.request import InferenceRequest
+from picker.prefix.chars import CHARS_PER_TOKEN
+from picker.prefix.plugins import PREFIX_MATCH_KEY, expected_cached_tokens
+from picker.request.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+PREFILL_HEADER = "x-prefiller-host-port"
+DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
+
+
+def _primary_port(p: Parameters, default: int) -> int:
+    """llm-d's `primaryPort`: 0 (pd-profile-handler's default) or a TCP port."""
+    port = p.integer("primaryPort", default, at_least=0)
+    if port > 65535:
+        raise PluginConfigError(f"primaryPort: must be between 1 and 65535, got {port}")
+    return port
+
+
+def _on_port(result: ProfileRunResult, port: int) -> ProfileRunResult:
+    """`result` with every target's port replaced by `port` (the pod's primary port)."""
+    targets = tuple(replace(t, endpoint=replace(t.endpoint, port=port)) for t in result.targets)
+    return replace(result, targets=targets)
+
+
+def _decode_workers_missing() -> RequestError:
+    return RequestError("ResourceExhausted", "failed to find available decode workers")
+
+
+class PdProfileHandler(ProfileHandler):
+    """`pd-profile-handler` (llm-d): decode first, then prefill when the uncached prompt is long.
+
+    Parameters (llm-d's): `threshold` (0: always disaggregate), `decodeProfile` ("decode"),
+    `prefillProfile` ("prefill"), `prefixPluginName` ("prefix-cache-scorer"), `hashBlockSize`
+    (64, > 0), `primaryPort` (0: off; else the decode pick is sent to this port of its pod and its
+    own `ip:port` goes in `x-data-parallel-host-port`).
+
+    The uncached part is measured as llm-d measures it, in prompt characters: the prompt's length
+    less what the decode pick is expected to hold (the prefix match, in the index's own blocks,
+    at 4 characters a token). The picker has one prefix match per request whichever scorer made
+    it, so `prefixPluginName` only names it, and `hashBlockSize` (llm-d's size of the prefix
+    scorer's blocks) is validated but the match is counted in the index's real block size.
+    """
+
+    plugin_type = "pd-profile-handler"
+
+    def __init__(self, name: str, threshold: int, decode_profile: str, prefill_profile: str, primary_port: int) -> None:
+        super().__init__(name)
+        self.threshold = threshold
+        self.decode_profile = decode_profile
+        self.prefill_profile = prefill_profile
+        self.primary_port = primary_port
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PdProfileHandler:
+        p = Parameters(parameters)
+        threshold = p.integer("threshold", 0, at_least=0)
+        decode_profile = p.string("decodeProfile", "decode")
+        prefill_profile = p.string("prefillProfile", "prefill")
+        p.string("prefixPluginName", "prefix-cache-scorer")
+        p.integer("hashBlockSize", 64, at_least=1)
+        primary_port = _primary_port(p, 0)
+        plugin = cls(name, threshold, decode_profile, prefill_profile, primary_port)
+        plugin.parameters = p.finish()
+        return plugin
+
+    def pick_profiles(
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> Sequence[str]:
+        if self.decode_profile not in results:
+            return (self.decode_profile,) if self.decode_profile in profiles else ()
+        decode = results[self.decode_profile]
+        if decode is None or self.prefill_profile in results or self.prefill_profile not in profiles:
+            return ()
+        if self.threshold > 0 and self.uncached_chars(request, cycle_state, decode.targets[0]) < self.threshold:
+            return ()
+        return (self.prefill_profile,)
+
+    @staticmethod
+    def uncached_chars(request: InferenceRequest, cycle_state: CycleState, decode: EndpointState) -> int:
+        """Prompt characters `decode` is not expected to hold in its prefix cache."""
+        prompt = request.prompt_chars()
+        match = cycle_state.read(PREFIX_MATCH_KEY)
+        if match is None:
+            return prompt
+        (cached,) = expected_cached_tokens(match, cycle_state, [decode.address])
+        return max(0, prompt - cached * CHARS_PER_TOKEN)
+
+    def process_results(
+        self, request: InferenceRequest, cycle_state: CycleState, results: Mapping[str, ProfileRunResult | None]
+    ) -> SchedulingResult:
+        decode = results.get(self.decode_profile)
+        if decode is None or not decode.targets:
+            raise _decode_workers_missing()
+        final: dict[str, ProfileRunResult | None] = {self.decode_profile: decode}
+        if self.primary_port:
+            set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, decode.targets[0].address)
+            final[self.decode_profile] = _on_port(decode, self.primary_port)
+        prefill = results.get(self.prefill_profile)
+        if prefill is not None:
+            final[self.prefill_profile] = prefill
+        elif self.prefill_profile in results:
+            log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
+        return SchedulingResult(final, self.decode_profile, cycle_state)
+
+
+class PrefillHeaderHandler(PreRequest):
+    """`prefill-header-handler` (llm-d): `x-prefiller-host-port: <prefill pick's ip:port>` when
+    the prefill profile ran and picked; otherwise the header a client sent is cleared, so only
+    the picker decides where a prompt is prefilled. Parameter `prefillProfile` ("prefill")."""
+
+    plugin_type = "prefill-header-handler"
+
+    def __init__(self, name: str, prefill_profile: str) -> None:
+        super().__init__(name)
+        self.prefill_profile = prefill_profile
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PrefillHeaderHandler:
+        p = Parameters(parameters)
+        plugin = cls(name, p.string("prefillProfile", "prefill"))
+        plugin.parameters = p.finish()
+        return plugin
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        prefill = result.profile_results.get(self.prefill_profile)
+        if prefill is not None and prefill.targets:
+            set_upstream_header(result.cycle_state, PREFILL_HEADER, prefill.targets[0].address)
+        elif PREFILL_HEADER in request.headers:
+            set_upstream_header(result.cycle_state, PREFILL_HEADER, "")
+
+
+class DataParallelProfileHandler(ProfileHandler):
+    """`data-parallel-profile-handler` (llm-d): runs every profile once (llm-d means it for one
+    profile, and fails a request that ran more); the pick is sent to the pod's `primaryPort`
+    (8000) and the chosen rank's `ip:port` goes in `x-data-parallel-host-port`.
+
+    llm-d accepts `primaryPort: 0` and then routes to port 0; the picker refuses it."""
+
+    plugin_type = "data-parallel-profile-handler"
+
+    def __init__(self, name: str, primary_port: int) -> None:
+        super().__init__(name)
+        self.primary_port = primary_port
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> DataParallelProfileHandler:
+        p = Parameters(parameters)
+        primary_port = _primary_port(p, 8000)
+        if primary_port == 0:
+            raise PluginConfigError("primaryPort: must be between 1 and 65535, got 0")
+        plugin = cls(name, primary_port)
+        plugin.parameters = p.finish()
+        return plugin
+
+    def pick_profiles(
+        self,
+        request: InferenceRequest,
+        cycle_state: CycleState,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> Sequence[str]:
+        return () if results else profiles
+
+    def process_results(
+        self, request: InferenceRequest, cycle_state: CycleState, results: Mapping[str, ProfileRunResult | None]
+    ) -> SchedulingResult:
+        if len(results) != 1:
+            raise RequestError(
+                "ResourceExhausted",
+                "data parallel profile handler is intended to be used with a single profile, "
+                "failed to process multiple profiles",
+            )
+        ((name, result),) = results.items()
+        if result is None or not result.targets:
+            raise RequestError("ResourceExhausted", f"failed to run scheduler profile '{name}'")
+        set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, result.targets[0].address)
+        return SchedulingResult({name: _on_port(result, self.primary_port)}, name, cycle_state)

@@ -1,0 +1,179 @@
+"""Every file of llm-d v0.4.0's `deploy/config/` (copies in tests/data/llmd_configs/, naming
+where each comes from): accepted with llm-d's plugin types, or refused naming the plugin type or
+parameter the picker does not have yet; and the P/D and data-parallel ones route as llm-d does,
+through the director: the decode pick is the destination, a prompt whose uncached part reaches
+the threshold also gets a prefill pick, named in `x-prefiller-host-port`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from picker.config.loader import build, parse_file
+from picker.config.runtime import RuntimeHolder
+from picker.config.schema import ConfigError
+from picker.datastore.endpoint import Endpoint
+from picker.datastore.store import Datastore
+from picker.framework.plugin import upstream_headers
+from picker.requestcontrol.director import Director, RoutedRequest
+from picker.scheduling.disaggregation import DATA_PARALLEL_HEADER, PREFILL_HEADER
+from picker.scheduling.labels import ROLE_LABEL
+
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "llmd_configs"
+SOURCE_LINE = "# Source: llm-d-inference-scheduler v0.4.0, deploy/config/"
+
+# llm-d's deploy scripts fill `${PRIMARY_PORT}` in with envsubst; as committed, llm-d refuses it
+# too (a string where its parameter is an integer).
+PRIMARY_PORT_PLACEHOLDER = "${PRIMARY_PORT}"
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The config loads; `types` are the plugin types it configures (by name)."""
+
+    types: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The picker does not load it yet; the error names the plugin type or parameter."""
+
+    error: str
+
+
+PD_TYPES = frozenset(
+    {"prefill-header-handler", "prefix-cache-scorer", "prefill-filter", "decode-filter", "max-score-picker"}
+)
+DECODE_ONLY = frozenset({"prefix-cache-scorer", "decode-filter", "max-score-picker", "single-profile-handler"})
+CASES: dict[str, Accepted | Refused] = {
+    "dp-epp-config.yaml": Accepted(
+        frozenset({"prefix-cache-scorer", "decode-filter", "max-score-picker", "data-parallel-profile-handler"})
+    ),
+    "epp-config.yaml": Accepted(DECODE_ONLY),
+    "sim-epp-config.yaml": Accepted(DECODE_ONLY),
+    "pd-epp-config.yaml": Accepted(PD_TYPES | {"pd-profile-handler"}),
+    "sim-pd-epp-config.yaml": Refused("plugins[5].parameters.primaryPort: must be an integer, got '${PRIMARY_PORT}'"),
+    "epp-estimate-prefix-cache-config.yaml": Refused(
+        'plugins[3].type: the picker does not support llm-d\'s type "load-aware-scorer"'
+    ),
+    "sim-epp-no-hit-lru.yaml": Refused(
+        'plugins[1].type: the picker does not support llm-d\'s type "no-hit-lru-scorer"'
+    ),
+    # llm-d's own forms of the precise prefix index, not mapped onto the picker's yet.
+    "epp-precise-prefix-cache-config.yaml": Refused("plugins[2].parameters.indexerConfig: unknown parameter"),
+    "sim-epp-kvcache-config.yaml": Refused("plugins[0].parameters.mode: unknown parameter"),
+}
+
+
+def test_every_llmd_config_names_its_source_and_has_a_row() -> None:
+    files = sorted(path.name for path in CONFIGS.glob("*.yaml"))
+    assert files == sorted(CASES)
+    for name in files:
+        assert (CONFIGS / name).read_text().startswith(SOURCE_LINE + name), name
+
+
+@pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if isinstance(case, Accepted)))
+def test_accepted_with_llmd_plugin_types(name: str) -> None:
+    expected = CASES[name]
+    assert isinstance(expected, Accepted)
+    types = {plugin.plugin_type for plugin in build(parse_file(CONFIGS / name)).plugins.values()}
+    assert expected.types <= types, types
+
+
+@pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if isinstance(case, Refused)))
+def test_refused_naming_what_is_missing(name: str) -> None:
+    expected = CASES[name]
+    assert isinstance(expected, Refused)
+    with pytest.raises(ConfigError) as error:
+        build(parse_file(CONFIGS / name))
+    assert expected.error in str(error.value)
+
+
+PREFILL_PODS = [Endpoint(f"10.0.1.{i}", 8000, f"prefill-{i}", labels={ROLE_LABEL: "prefill"}) for i in (1, 2)]
+DECODE_PODS = [Endpoint(f"10.0.2.{i}", 8000, f"decode-{i}", labels={ROLE_LABEL: "decode"}) for i in (1, 2)]
+# 1,280 characters: 20 whole prefix blocks (16 tokens of 4 characters), so once a decode pod
+# holds it the uncached part is 0 (below sim-pd's threshold of 10), and before it is 1,280.
+LONG_PROMPT = "0123456789abcdef" * 80
+
+
+def sim_pd_config(primary_port: int) -> str:
+    return (CONFIGS / "sim-pd-epp-config.yaml").read_text().replace(PRIMARY_PORT_PLACEHOLDER, str(primary_port))
+
+
+def director(config: str, endpoints: list[Endpoint]) -> Director:
+    store = Datastore()
+    store.set_endpoints(endpoints)
+    runtimes = RuntimeHolder(store)
+    runtimes.load_text(config)
+    return Director(store, runtimes)
+
+
+async def route(d: Director, prompt: str, headers: dict[str, str] | None = None) -> RoutedRequest:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 8}).encode()
+    routed = await d.route(body, {":path": "/v1/completions", **(headers or {})}, None)
+    routed.finish()
+    return routed
+
+
+def prefill_pick(routed: RoutedRequest) -> str | None:
+    assert routed.result is not None
+    return upstream_headers(routed.result.cycle_state).get(PREFILL_HEADER)
+
+
+async def test_sim_pd_config_prefills_an_uncached_prompt_and_not_a_cached_one() -> None:
+    d = director(sim_pd_config(0), PREFILL_PODS + DECODE_PODS)
+    first = await route(d, LONG_PROMPT)
+    assert first.targets[0] in {e.address for e in DECODE_PODS}  # the decode pick is the destination
+    assert prefill_pick(first) in {e.address for e in PREFILL_PODS}
+    assert first.result is not None and first.result.primary_profile == "decode"
+    # The same prompt again: its decode pod now holds all of it, below the threshold.
+    second = await route(d, LONG_PROMPT)
+    assert second.targets == first.targets
+    assert prefill_pick(second) is None
+    assert second.result is not None and set(second.result.profile_results) == {"decode"}
+
+
+async def test_a_short_prompt_stays_below_the_threshold() -> None:
+    d = director(sim_pd_config(0), PREFILL_PODS + DECODE_PODS)
+    assert prefill_pick(await route(d, "hi there")) is None  # 8 characters < 10
+
+
+async def test_pd_config_without_threshold_always_prefills_and_clears_a_client_header() -> None:
+    d = director((CONFIGS / "pd-epp-config.yaml").read_text(), PREFILL_PODS + DECODE_PODS)
+    assert prefill_pick(await route(d, "hi")) in {e.address for e in PREFILL_PODS}
+    no_prefill = director((CONFIGS / "pd-epp-config.yaml").read_text(), DECODE_PODS)
+    # No prefill pod: decode only, and a client's own prefill header does not reach the pod.
+    routed = await route(no_prefill, "hi", {PREFILL_HEADER: "10.9.9.9:8000"})
+    assert routed.targets[0] in {e.address for e in DECODE_PODS}
+    assert prefill_pick(routed) == ""
+
+
+async def test_unlabelled_endpoints_are_decode_pods() -> None:
+    unlabelled = [Endpoint("10.0.3.1", 8000), Endpoint("10.0.3.2", 8000)]
+    d = director((CONFIGS / "pd-epp-config.yaml").read_text(), unlabelled)
+    routed = await route(d, LONG_PROMPT)
+    assert routed.targets[0] in {e.address for e in unlabelled}
+    assert prefill_pick(routed) is None
+
+
+async def test_sim_pd_primary_port_sends_the_decode_pick_to_it_naming_the_rank() -> None:
+    d = director(sim_pd_config(8200), DECODE_PODS)
+    routed = await route(d, "hi")
+    assert routed.result is not None
+    rank = upstream_headers(routed.result.cycle_state)[DATA_PARALLEL_HEADER]
+    assert rank in {e.address for e in DECODE_PODS}
+    assert routed.targets == [rank.replace(":8000", ":8200")]
+
+
+async def test_dp_config_sends_to_the_primary_port_naming_the_rank() -> None:
+    ranks = [Endpoint("10.0.4.1", port, "dp-pod") for port in (8000, 8001, 8002)]
+    d = director((CONFIGS / "dp-epp-config.yaml").read_text(), ranks)
+    routed = await route(d, LONG_PROMPT)
+    assert routed.result is not None
+    rank = upstream_headers(routed.result.cycle_state)[DATA_PARALLEL_HEADER]
+    assert rank in {e.address for e in ranks}
+    assert routed.targets == ["10.0.4.1:8000"]

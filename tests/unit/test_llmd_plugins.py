@@ -1,0 +1,133 @@
+"""llm-d's label filters and P/D / data-parallel handlers: their parameters as llm-d validates
+them and their behaviour on labelled endpoints (the configs that use them route in
+test_llmd_configs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import yaml
+
+from picker.config.loader import build, parse_text
+from picker.config.schema import ConfigError
+from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
+from picker.framework.cycle_state import CycleState
+from picker.framework.plugin import Filter
+from picker.framework.request import Api, InferenceRequest
+from picker.scheduling.labels import ROLE_LABEL
+
+
+def state(name: str, **labels: str) -> EndpointState:
+    return EndpointState(Endpoint(f"10.0.0.{len(name)}", 8000, name, labels=labels), EndpointMetrics())
+
+
+ROLES = [
+    state("p", **{ROLE_LABEL: "prefill"}),
+    state("dd", **{ROLE_LABEL: "decode"}),
+    state("bbb", **{ROLE_LABEL: "both"}),
+    state("nnnn"),
+    state("ooooo", **{ROLE_LABEL: "other"}),
+]
+REQUEST = InferenceRequest("r", Api.COMPLETIONS, "m", "m", prompt_text="hi")
+
+
+def plugin_config(plugin_type: str, parameters: Mapping[str, Any] | None = None) -> str:
+    plugin: dict[str, Any] = {"type": plugin_type, "name": "under-test"}
+    if parameters is not None:
+        plugin["parameters"] = parameters
+    return yaml.safe_dump(
+        {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+            "kind": "EndpointPickerConfig",
+            "plugins": [plugin],
+        }
+    )
+
+
+def kept(plugin_type: str, parameters: Mapping[str, Any] | None = None) -> list[str]:
+    plugin = build(parse_text(plugin_config(plugin_type, parameters))).plugins["under-test"]
+    assert isinstance(plugin, Filter)
+    return [c.endpoint.name for c in plugin.filter(REQUEST, CycleState(), ROLES)]
+
+
+def refusal(plugin_type: str, parameters: Mapping[str, Any]) -> str:
+    with pytest.raises(ConfigError) as error:
+        build(parse_text(plugin_config(plugin_type, parameters)))
+    return str(error.value)
+
+
+def test_prefill_filter_keeps_prefill_pods_only() -> None:
+    assert kept("prefill-filter") == ["p"]
+
+
+def test_decode_filter_keeps_decode_both_and_unlabelled_pods() -> None:
+    assert kept("decode-filter") == ["dd", "bbb", "nnnn"]
+
+
+def test_by_label_keeps_valid_values_and_optionally_unlabelled() -> None:
+    assert kept("by-label", {"label": ROLE_LABEL, "validValues": ["other", "prefill"]}) == ["p", "ooooo"]
+    assert kept("by-label", {"label": ROLE_LABEL, "allowsNoLabel": True}) == ["nnnn"]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "error"),
+    [
+        ({"validValues": ["a"]}, "label: must be specified"),
+        ({"label": "x"}, "validValues: must be non-empty unless allowsNoLabel is true"),
+        ({"label": "x", "allowsNoLabel": "yes"}, "allowsNoLabel: must be true or false"),
+        ({"label": "x", "validValue": ["a"]}, "validValue: unknown parameter"),
+    ],
+)
+def test_by_label_parameters(parameters: Mapping[str, Any], error: str) -> None:
+    assert error in refusal("by-label", parameters)
+
+
+def test_by_label_selector_matches_labels_and_expressions() -> None:
+    assert kept("by-label-selector", {"matchLabels": {ROLE_LABEL: "decode"}}) == ["dd"]
+    expression = {"key": ROLE_LABEL, "operator": "NotIn", "values": ["prefill", "other"]}
+    assert kept("by-label-selector", {"matchExpressions": [expression]}) == ["dd", "bbb", "nnnn"]
+    assert kept("by-label-selector", {"matchExpressions": [{"key": ROLE_LABEL, "operator": "DoesNotExist"}]}) == [
+        "nnnn"
+    ]
+    assert kept("by-label-selector", {}) == ["p", "dd", "bbb", "nnnn", "ooooo"]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "error"),
+    [
+        ({"matchExpressions": [{"key": "k", "operator": "Is"}]}, "matchExpressions[0].operator: must be one of"),
+        ({"matchExpressions": [{"key": "k", "operator": "In"}]}, "matchExpressions[0].values: must be non-empty"),
+        ({"matchExpressions": [{"key": "k", "operator": "Exists", "values": ["a"]}]}, "must be empty"),
+        ({"matchLabels": {"k": 1}}, "matchLabels.k: must be a string"),
+    ],
+)
+def test_by_label_selector_parameters(parameters: Mapping[str, Any], error: str) -> None:
+    assert error in refusal("by-label-selector", parameters)
+
+
+@pytest.mark.parametrize(
+    ("plugin_type", "parameters", "error"),
+    [
+        ("pd-profile-handler", {"threshold": -1}, "threshold: must be >= 0"),
+        ("pd-profile-handler", {"hashBlockSize": 0}, "hashBlockSize: must be >= 1"),
+        ("pd-profile-handler", {"primaryPort": 70000}, "primaryPort: must be between 1 and 65535"),
+        ("data-parallel-profile-handler", {"primaryPort": 0}, "primaryPort: must be between 1 and 65535"),
+        ("prefill-header-handler", {"prefillProfile": 3}, "prefillProfile: must be a string"),
+    ],
+)
+def test_handler_parameters(plugin_type: str, parameters: Mapping[str, Any], error: str) -> None:
+    assert error in refusal(plugin_type, parameters)
+
+
+def test_pd_profile_handler_defaults_are_llmds() -> None:
+    plugin = build(parse_text(plugin_config("pd-profile-handler"))).plugins["under-test"]
+    assert dict(plugin.parameters) == {
+        "threshold": 0,
+        "decodeProfile": "decode",
+        "prefillProfile": "prefill",
+        "prefixPluginName": "prefix-cache-scorer",
+        "hashBlockSize": 64,
+        "primaryPort": 0,
+    }
