@@ -10,6 +10,7 @@ have yet (`UNSUPPORTED_LLMD_TYPES`).
 from __future__ import annotations
 
 from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer, MetricsDataSource
+from picker.disaggregation.handlers import DataParallelProfileHandler, PdProfileHandler, PrefillHeaderHandler
 from picker.flowcontrol.policies import POLICY_FACTORIES
 from picker.framework.registry import Registration, Registry
 from picker.kvevents.plugins import PreciseScorer
@@ -34,7 +35,6 @@ from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
 from picker.request.vllm_grpc import VllmGrpcParser
 from picker.scheduling.concurrency import ConcurrencyDetector
-from picker.scheduling.disaggregation import DataParallelProfileHandler, PdProfileHandler, PrefillHeaderHandler
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.labels import ByLabel, ByLabelSelector, DecodeFilter, PrefillFilter
 from picker.scheduling.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker

@@ -206,7 +206,7 @@ class ExtProcServer:
         # Response-metadata hooks set dynamic metadata on the answers to response messages.
         metadata = runtime is not None and bool(runtime.response_metadata)
         replaced = None if routed.body is body or body is None else routed.body
-        self._core.route(stream, routed.destination, replaced, chunks, metadata)
+        self._core.route(stream, routed.destination, replaced, chunks, metadata, routed.upstream_headers)
 
     def _failed(self, stream: int, error: Exception) -> None:
         """The one failure policy of every director call: a RequestError is answered as the

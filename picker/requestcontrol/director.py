@@ -26,7 +26,7 @@ from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import Affinity, DynamicMetadata, SchedulingResult
+from picker.framework.plugin import Affinity, DynamicMetadata, SchedulingResult, upstream_headers
 from picker.framework.request import InferenceRequest, ResponseOutcome, Usage
 from picker.request.errors import RequestError
 from picker.request.usage import SseUsageScanner, parse_usage
@@ -168,6 +168,12 @@ class RoutedRequest:
     def destination(self) -> str:
         """The header / metadata value: the ordered fallback list."""
         return ",".join(self.targets)
+
+    @property
+    def upstream_headers(self) -> list[tuple[str, str]]:
+        """The request headers this request's plugins set for the model server (an empty value
+        removes the header), for the answer that carries the destination."""
+        return [] if self.result is None else list(upstream_headers(self.result.cycle_state).items())
 
     @property
     def streaming(self) -> bool:

@@ -18,10 +18,13 @@ from picker.config.runtime import RuntimeHolder
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
+from picker.disaggregation.handlers import DATA_PARALLEL_HEADER, PREFILL_HEADER
 from picker.framework.plugin import upstream_headers
 from picker.requestcontrol.director import Director, RoutedRequest
-from picker.scheduling.disaggregation import DATA_PARALLEL_HEADER, PREFILL_HEADER
 from picker.scheduling.labels import ROLE_LABEL
+from tests.unit.test_extproc_stream import BUFFERED, exchange, serving
+from tests.unit.test_extproc_stream import body as stream_body
+from tests.unit.test_extproc_stream import headers as stream_headers
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "llmd_configs"
 SOURCE_LINE = "# Source: llm-d-inference-scheduler v0.4.0, deploy/config/"
@@ -177,3 +180,24 @@ async def test_dp_config_sends_to_the_primary_port_naming_the_rank() -> None:
     rank = upstream_headers(routed.result.cycle_state)[DATA_PARALLEL_HEADER]
     assert rank in {e.address for e in ranks}
     assert routed.targets == ["10.0.4.1:8000"]
+
+
+async def test_the_prefill_pick_reaches_the_proxy_in_the_header_mutation() -> None:
+    """Through the compiled ext_proc core: the answer that carries the decode destination also
+    sets `x-prefiller-host-port` (duplex), or removes a client's copy when nothing was prefilled
+    (buffered)."""
+    payload = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}).encode()
+    pd_config = (CONFIGS / "pd-epp-config.yaml").read_text()
+    async with serving(director(pd_config, PREFILL_PODS + DECODE_PODS)) as stub:
+        _, (routed, _) = await exchange(stub, [stream_headers(), stream_body(payload, True)], 2)
+    mutation = routed.request_headers.response.header_mutation
+    values = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert values["x-gateway-destination-endpoint"] in {e.address for e in DECODE_PODS}
+    assert values[PREFILL_HEADER] in {e.address for e in PREFILL_PODS}
+
+    client_header = stream_headers(mode=BUFFERED, extra={PREFILL_HEADER: "10.9.9.9:8000"})
+    async with serving(director(pd_config, DECODE_PODS)) as stub:
+        _, (_, routed) = await exchange(stub, [client_header, stream_body(payload, True)], 2)
+    mutation = routed.request_body.response.header_mutation
+    assert PREFILL_HEADER not in {h.header.key for h in mutation.set_headers}
+    assert PREFILL_HEADER in mutation.remove_headers

@@ -21,10 +21,12 @@ pub enum Answer {
     /// `body`: the body to forward when the director replaced it; `chunks`: report every
     /// response chunk as it passes (response-streaming hooks need them); `metadata`: ask for
     /// the dynamic metadata of the answer to every response chunk and to the trailers
-    /// (response-metadata hooks).
+    /// (response-metadata hooks); `headers`: request headers plugins set for the model server
+    /// (an empty value removes the header).
     Route {
         destination: String,
         body: Option<Vec<u8>>,
+        headers: Vec<(String, String)>,
         chunks: bool,
         metadata: bool,
     },

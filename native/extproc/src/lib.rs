@@ -107,14 +107,24 @@ impl Core {
 
     /// The pick for stream `id`; `body` when the director replaced it; `chunks`: report each
     /// response chunk; `metadata`: ask for the dynamic metadata of every response answer
-    /// (answered with `metadata`). False when the stream is gone.
-    #[pyo3(signature = (id, destination, body, chunks, metadata))]
-    fn route(&self, id: u64, destination: String, body: Option<Vec<u8>>, chunks: bool, metadata: bool) -> bool {
+    /// (answered with `metadata`); `headers`: request headers to set for the model server beside
+    /// the destination (an empty value removes one the client sent). False when the stream is gone.
+    #[pyo3(signature = (id, destination, body, chunks, metadata, headers=Vec::new()))]
+    fn route(
+        &self,
+        id: u64,
+        destination: String,
+        body: Option<Vec<u8>>,
+        chunks: bool,
+        metadata: bool,
+        headers: Vec<(String, String)>,
+    ) -> bool {
         self.bridge.answer(
             id,
             Answer::Route {
                 destination,
                 body,
+                headers,
                 chunks,
                 metadata,
             },

@@ -139,15 +139,29 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
+/// Python's pick: the destination (the ordered fallback list) and the request headers its
+/// plugins set for the model server (an empty value removes the header).
+pub struct Pick {
+    pub destination: String,
+    pub headers: Vec<(String, String)>,
+}
+
 fn routing_common(
-    destination: &str,
+    pick: &Pick,
     content_length: Option<usize>,
-    remove: Vec<String>,
+    mut remove: Vec<String>,
     body: Option<Vec<u8>>,
 ) -> CommonResponse {
-    let mut set_headers = vec![set_header(DESTINATION_HEADER, destination)];
+    let mut set_headers = vec![set_header(DESTINATION_HEADER, &pick.destination)];
     if let Some(length) = content_length {
         set_headers.push(set_header("content-length", &length.to_string()));
+    }
+    for (key, value) in &pick.headers {
+        if value.is_empty() {
+            remove.push(key.clone());
+        } else {
+            set_headers.push(set_header(key, value));
+        }
     }
     CommonResponse {
         header_mutation: Some(HeaderMutation {
@@ -229,24 +243,24 @@ pub fn dynamic_metadata(values: HashMap<String, HashMap<String, f64>>) -> Struct
 }
 
 /// The request-headers answer carrying the pick (duplex/streamed modes, and headers-only requests).
-pub fn route_in_headers(destination: &str, content_length: Option<usize>, remove: Vec<String>) -> ProcessingResponse {
+pub fn route_in_headers(pick: &Pick, content_length: Option<usize>, remove: Vec<String>) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(routing_common(destination, content_length, remove, None)),
+            response: Some(routing_common(pick, content_length, remove, None)),
         })),
-        dynamic_metadata: Some(destination_metadata(destination)),
+        dynamic_metadata: Some(destination_metadata(&pick.destination)),
         ..Default::default()
     }
 }
 
 /// The BUFFERED request-body answer carrying the pick (and a replaced body, if any).
-pub fn route_in_body(destination: &str, remove: Vec<String>, new_body: Option<Vec<u8>>) -> ProcessingResponse {
+pub fn route_in_body(pick: &Pick, remove: Vec<String>, new_body: Option<Vec<u8>>) -> ProcessingResponse {
     let length = new_body.as_ref().map(Vec::len);
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
-            response: Some(routing_common(destination, length, remove, new_body)),
+            response: Some(routing_common(pick, length, remove, new_body)),
         })),
-        dynamic_metadata: Some(destination_metadata(destination)),
+        dynamic_metadata: Some(destination_metadata(&pick.destination)),
         ..Default::default()
     }
 }

@@ -146,18 +146,19 @@ impl StreamState {
     }
 
     /// The pick, or the stop it became.
-    async fn route(&mut self, event: Event) -> Result<(String, Option<Vec<u8>>), Stop> {
+    async fn route(&mut self, event: Event) -> Result<(m::Pick, Option<Vec<u8>>), Stop> {
         match self.ask(event).await? {
             Answer::Route {
                 destination,
                 body,
+                headers,
                 chunks,
                 metadata,
             } => {
                 self.routed = true;
                 self.report_chunks = chunks;
                 self.ask_metadata = metadata;
-                Ok((destination, body))
+                Ok((m::Pick { destination, headers }, body))
             }
             Answer::Reject { status, body } => Err(Stop::Reject(status, body)),
             Answer::Metadata(_) => Err(Stop::Gone),
@@ -193,15 +194,11 @@ impl StreamState {
             // the pick cannot wait for the body.
             let id = self.id;
             let subset = self.subset.clone();
-            let (destination, _) = self
+            let (pick, _) = self
                 .route(Event::RouteWithoutBody(RouteWithoutBody { id, subset }))
                 .await?;
             return self
-                .send(m::route_in_headers(
-                    &destination,
-                    None,
-                    m::removed_headers(&self.headers),
-                ))
+                .send(m::route_in_headers(&pick, None, m::removed_headers(&self.headers)))
                 .await;
         }
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
@@ -260,13 +257,13 @@ impl StreamState {
             headers: self.headers.clone(),
             subset: self.subset.clone(),
         });
-        let (destination, new_body) = self.route(event).await?;
+        let (pick, new_body) = self.route(event).await?;
         let removed = m::removed_headers(&self.headers);
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
-            return self.send(m::route_in_body(&destination, removed, new_body)).await;
+            return self.send(m::route_in_body(&pick, removed, new_body)).await;
         }
         let out_body = new_body.unwrap_or_else(|| std::mem::take(&mut self.body));
-        self.send(m::route_in_headers(&destination, Some(out_body.len()), removed))
+        self.send(m::route_in_headers(&pick, Some(out_body.len()), removed))
             .await?;
         if self.request_mode == FULL_DUPLEX_STREAMED {
             let mut responses = Vec::new();

@@ -164,6 +164,7 @@ fn routing(body: Option<Vec<u8>>, chunks: bool, metadata: bool) -> Answer {
     Answer::Route {
         destination: DESTINATION.into(),
         body,
+        headers: Vec::new(),
         chunks,
         metadata,
     }
@@ -504,6 +505,34 @@ async fn a_headers_only_request_is_routed_without_a_body_with_its_subset_hint() 
     assert_eq!(route.subset, Some(vec!["10.0.0.1:8000".into(), "10.0.0.2:8000".into()]));
     assert!(harness.reply(route.id, route_answer()));
     routed_in_headers(&harness.answer().await);
+}
+
+#[tokio::test]
+async fn headers_the_plugins_set_go_with_the_destination_and_an_empty_one_is_removed() {
+    let mut harness = Harness::start(settings());
+    harness.send_request(request_headers(FULL_DUPLEX_STREAMED, true)).await;
+    let route = next_event!(harness, RouteWithoutBody);
+    let answer = Answer::Route {
+        destination: DESTINATION.into(),
+        body: None,
+        headers: vec![
+            ("x-prefiller-host-port".into(), "10.0.0.9:8000".into()),
+            ("x-data-parallel-host-port".into(), String::new()),
+        ],
+        chunks: false,
+        metadata: false,
+    };
+    assert!(harness.reply(route.id, answer));
+    let answer = harness.answer().await;
+    let Some(Response::RequestHeaders(headers)) = &answer.response else {
+        panic!("not a request-headers answer: {answer:?}")
+    };
+    let common = headers.response.as_ref().expect("a common response");
+    assert_eq!(destination(&answer, common), DESTINATION);
+    assert_eq!(set_header(common, "x-prefiller-host-port"), Some(&b"10.0.0.9:8000"[..]));
+    assert_eq!(set_header(common, "x-data-parallel-host-port"), None);
+    let removed = &common.header_mutation.as_ref().unwrap().remove_headers;
+    assert!(removed.contains(&"x-data-parallel-host-port".to_owned()));
 }
 
 #[tokio::test]
