@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from picker.datastore.endpoint import EndpointState
@@ -48,12 +47,6 @@ def _primary_port(p: Parameters, default: int) -> int:
     return port
 
 
-def _on_port(result: ProfileRunResult, port: int) -> ProfileRunResult:
-    """`result` with every target's port replaced by `port` (the pod's primary port)."""
-    targets = tuple(replace(t, endpoint=replace(t.endpoint, port=port)) for t in result.targets)
-    return replace(result, targets=targets)
-
-
 def _decode_workers_missing() -> RequestError:
     return RequestError("ResourceExhausted", "failed to find available decode workers")
 
@@ -64,7 +57,7 @@ class PdProfileHandler(ProfileHandler):
     Parameters (llm-d's): `threshold` (0: always disaggregate), `decodeProfile` ("decode"),
     `prefillProfile` ("prefill"), `prefixPluginName` ("prefix-cache-scorer"), `hashBlockSize`
     (64, > 0), `primaryPort` (0: off; else the decode pick is sent to this port of its pod and its
-    own `ip:port` goes in `x-data-parallel-host-port`).
+    own `ip:port` goes in `x-data-parallel-host-port`; load and prefixes are counted at the pick).
 
     The uncached part is measured as llm-d measures it, in prompt characters: the prompt's length
     less what the decode pick is expected to hold (the prefix match, in the index's own blocks,
@@ -130,13 +123,12 @@ class PdProfileHandler(ProfileHandler):
         final: dict[str, ProfileRunResult | None] = {self.decode_profile: decode}
         if self.primary_port:
             set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, decode.targets[0].address)
-            final[self.decode_profile] = _on_port(decode, self.primary_port)
         prefill = results.get(self.prefill_profile)
         if prefill is not None:
             final[self.prefill_profile] = prefill
         elif self.prefill_profile in results:
             log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
-        return SchedulingResult(final, self.decode_profile, cycle_state)
+        return SchedulingResult(final, self.decode_profile, cycle_state, destination_port=self.primary_port)
 
 
 class PrefillHeaderHandler(PreRequest):
@@ -210,4 +202,4 @@ class DataParallelProfileHandler(ProfileHandler):
         if result is None or not result.targets:
             raise RequestError("ResourceExhausted", f"failed to run scheduler profile '{name}'")
         set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, result.targets[0].address)
-        return SchedulingResult({name: _on_port(result, self.primary_port)}, name, cycle_state)
+        return SchedulingResult({name: result}, name, cycle_state, destination_port=self.primary_port)

@@ -161,6 +161,9 @@ class SchedulingResult:
     primary_profile: str
     cycle_state: CycleState = field(default_factory=CycleState, compare=False)
     timed: bool = False  # whether this request's plugin durations are recorded (a sample)
+    # When set, the proxy sends the request to this port of the targets' pods (a data-parallel
+    # pod's primary port); the targets stay the chosen ranks, where load and prefixes are counted.
+    destination_port: int = 0
 
     @property
     def targets(self) -> tuple[EndpointState, ...]:

@@ -22,7 +22,7 @@ from time import perf_counter
 from typing import Any
 
 from picker.config.runtime import Runtime, RuntimeHolder
-from picker.datastore.endpoint import Endpoint, EndpointState, split_host_port
+from picker.datastore.endpoint import Endpoint, EndpointState, join_host_port, split_host_port
 from picker.datastore.store import Datastore
 from picker.flowcontrol.controller import FlowController
 from picker.framework.cycle_state import CycleState
@@ -167,7 +167,10 @@ class RoutedRequest:
     @property
     def destination(self) -> str:
         """The header / metadata value: the ordered fallback list."""
-        return ",".join(self.targets)
+        result = self.result
+        if result is None or not result.destination_port:
+            return ",".join(self.targets)
+        return ",".join(join_host_port(t.endpoint.ip, result.destination_port) for t in result.targets)
 
     @property
     def upstream_headers(self) -> list[tuple[str, str]]:

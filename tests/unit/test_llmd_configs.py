@@ -168,18 +168,25 @@ async def test_sim_pd_primary_port_sends_the_decode_pick_to_it_naming_the_rank()
     routed = await route(d, "hi")
     assert routed.result is not None
     rank = upstream_headers(routed.result.cycle_state)[DATA_PARALLEL_HEADER]
-    assert rank in {e.address for e in DECODE_PODS}
-    assert routed.targets == [rank.replace(":8000", ":8200")]
+    assert routed.targets == [rank] and rank in {e.address for e in DECODE_PODS}
+    assert routed.destination == rank.replace(":8000", ":8200")
 
 
 async def test_dp_config_sends_to_the_primary_port_naming_the_rank() -> None:
-    ranks = [Endpoint("10.0.4.1", port, "dp-pod") for port in (8000, 8001, 8002)]
+    ranks = [Endpoint("10.0.4.1", port, "dp-pod") for port in (8001, 8002)]  # behind primary port 8000
     d = director((CONFIGS / "dp-epp-config.yaml").read_text(), ranks)
     routed = await route(d, LONG_PROMPT)
     assert routed.result is not None
     rank = upstream_headers(routed.result.cycle_state)[DATA_PARALLEL_HEADER]
-    assert rank in {e.address for e in ranks}
-    assert routed.targets == ["10.0.4.1:8000"]
+    assert routed.targets == [rank] and rank in {e.address for e in ranks}
+    assert routed.destination == "10.0.4.1:8000"
+    # The prefix is counted at the rank that computed it: the same prompt finds it there.
+    again = await route(d, LONG_PROMPT)
+    assert again.targets == [rank] and again.result is not None
+    run = again.result.profile_results["default"]
+    assert run is not None
+    prefix_scores = dict(zip((c.address for c in run.candidates), run.scores["prefix-cache-scorer"], strict=True))
+    assert prefix_scores[rank] == 1.0
 
 
 async def test_the_prefill_pick_reaches_the_proxy_in_the_header_mutation() -> None:
