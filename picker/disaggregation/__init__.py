@@ -2,5 +2,5 @@
 and the request headers that name the prefill pod or the data-parallel rank (the role filters
 are in `picker.scheduling.labels`).
 
-May import: framework, datastore, prefix, request (errors).
+May import: framework, datastore, prefix, request (errors), telemetry.
 """

@@ -32,8 +32,12 @@ from picker.framework.request import InferenceRequest
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.plugins import PREFIX_MATCH_KEY, expected_cached_tokens
 from picker.request.errors import RequestError
+from picker.telemetry.metrics import PD_DECISIONS
 
 log = logging.getLogger(__name__)
+
+_DECODE_ONLY = PD_DECISIONS.labels("decode-only")
+_PREFILL_DECODE = PD_DECISIONS.labels("prefill-decode")
 
 PREFILL_HEADER = "x-prefiller-host-port"
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
@@ -126,8 +130,11 @@ class PdProfileHandler(ProfileHandler):
         prefill = results.get(self.prefill_profile)
         if prefill is not None:
             final[self.prefill_profile] = prefill
-        elif self.prefill_profile in results:
-            log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
+            _PREFILL_DECODE.inc()
+        else:
+            if self.prefill_profile in results:
+                log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
+            _DECODE_ONLY.inc()
         return SchedulingResult(final, self.decode_profile, cycle_state, destination_port=self.primary_port)
 
 

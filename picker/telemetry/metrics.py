@@ -1,7 +1,7 @@
 """Every Prometheus metric the picker exports, in one place.
 
-Names follow the reference EPP where one exists (so its dashboards keep working); the
-picker's own additions are prefixed `picker_`.
+Names follow the reference EPP where one exists (so its dashboards keep working), and llm-d's
+for its P/D decision; the picker's own additions are prefixed `picker_`.
 """
 
 from __future__ import annotations
@@ -204,6 +204,13 @@ FLOW_POOL_SATURATION = Gauge(
     ("inference_pool",),
 )
 INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build_ref"))
+
+# llm-d's name: how pd-profile-handler routed each request (decision_type "decode-only" or
+# "prefill-decode"; the picker counts what happened, so a request whose prefill profile found no
+# pod counts as decode-only).
+PD_DECISIONS = Counter(
+    "llm_d_inference_scheduler_pd_decision", "Total number of P/D disaggregation decisions made", ("decision_type",)
+)
 
 # -- picker's own -----------------------------------------------------------------------------
 ROUTED_TOTAL = Counter("picker_requests_routed", "Requests sent to each endpoint.", ("endpoint",))

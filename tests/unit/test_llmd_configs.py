@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from picker.config.loader import build, parse_file
 from picker.config.runtime import RuntimeHolder
@@ -145,14 +146,23 @@ async def test_a_short_prompt_stays_below_the_threshold() -> None:
     assert prefill_pick(await route(d, "hi there")) is None  # 8 characters < 10
 
 
+def decisions(decision_type: str) -> float:
+    return (
+        REGISTRY.get_sample_value("llm_d_inference_scheduler_pd_decision_total", {"decision_type": decision_type})
+        or 0.0
+    )
+
+
 async def test_pd_config_without_threshold_always_prefills_and_clears_a_client_header() -> None:
     d = director((CONFIGS / "pd-epp-config.yaml").read_text(), PREFILL_PODS + DECODE_PODS)
+    before = decisions("prefill-decode"), decisions("decode-only")
     assert prefill_pick(await route(d, "hi")) in {e.address for e in PREFILL_PODS}
     no_prefill = director((CONFIGS / "pd-epp-config.yaml").read_text(), DECODE_PODS)
-    # No prefill pod: decode only, and a client's own prefill header does not reach the pod.
+    # No prefill pod: decode only (counted so), and a client's own prefill header does not reach the pod.
     routed = await route(no_prefill, "hi", {PREFILL_HEADER: "10.9.9.9:8000"})
     assert routed.targets[0] in {e.address for e in DECODE_PODS}
     assert prefill_pick(routed) == ""
+    assert (decisions("prefill-decode"), decisions("decode-only")) == (before[0] + 1, before[1] + 1)
 
 
 async def test_unlabelled_endpoints_are_decode_pods() -> None:
