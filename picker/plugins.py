@@ -42,6 +42,7 @@ from picker.scheduling.profile_handler import SingleProfileHandler
 from picker.scheduling.saturation import UtilizationDetector
 from picker.scheduling.scorers import (
     KVCacheUtilizationScorer,
+    LoadAwareScorer,
     LoraAffinityScorer,
     QueueScorer,
     RunningRequestsSizeScorer,
@@ -56,6 +57,7 @@ REGISTRY = Registry(
         Registration(RunningRequestsSizeScorer.plugin_type, RunningRequestsSizeScorer.create),
         Registration(LoraAffinityScorer.plugin_type, LoraAffinityScorer.create),
         Registration(TokenLoadScorer.plugin_type, TokenLoadScorer.create),
+        Registration(LoadAwareScorer.plugin_type, LoadAwareScorer.create),
         Registration(HeaderBasedTestingFilter.plugin_type, HeaderBasedTestingFilter.create),
         Registration(MaxScorePicker.plugin_type, MaxScorePicker.create),
         Registration(RandomPicker.plugin_type, RandomPicker.create),
@@ -122,7 +124,6 @@ UNSUPPORTED_REFERENCE_TYPES = {
 # Plugin types llm-d v0.4.0 registers that the picker does not have yet: a config naming one fails
 # with this reason rather than as an unknown type.
 UNSUPPORTED_LLMD_TYPES = {
-    "load-aware-scorer": "llm-d's load-aware scorer is not implemented yet (queue-scorer scores the waiting queue)",
     "active-request-scorer": "llm-d's active-request scorer is not implemented yet",
     "no-hit-lru-scorer": "llm-d's no-hit LRU scorer is not implemented yet",
 }

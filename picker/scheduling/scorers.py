@@ -142,3 +142,34 @@ class TokenLoadScorer(Scorer):
     ) -> list[float]:
         threshold = self.queue_threshold_tokens
         return [1.0 - min(1.0, c.in_flight_tokens / threshold) for c in candidates]
+
+
+class LoadAwareScorer(Scorer):
+    """`load-aware-scorer` (llm-d): 0.5 for an empty waiting queue, falling linearly to 0 at
+    `threshold` (128) waiting requests; the waiting queue is the effective one (module doc).
+    As in llm-d, a `threshold` <= 0 means the default."""
+
+    plugin_type = "load-aware-scorer"
+    category = ScorerCategory.DISTRIBUTION
+
+    def __init__(self, name: str, threshold: int = 128) -> None:
+        super().__init__(name)
+        self.threshold = threshold
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> LoadAwareScorer:
+        params = Parameters(parameters)
+        threshold = params.integer("threshold", 128)
+        scorer = cls(name, threshold if threshold > 0 else 128)
+        scorer.parameters = params.finish()
+        return scorer
+
+    def score(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> list[float]:
+        threshold = self.threshold
+        scores = []
+        for c in candidates:
+            waiting = max(c.metrics.waiting_queue_size, c.in_flight_requests - c.metrics.running_requests_size)
+            scores.append(0.5 * (1.0 - min(threshold, waiting) / threshold))
+        return scores

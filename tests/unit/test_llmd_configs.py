@@ -61,8 +61,8 @@ CASES: dict[str, Accepted | Refused] = {
     "sim-epp-config.yaml": Accepted(DECODE_ONLY),
     "pd-epp-config.yaml": Accepted(PD_TYPES | {"pd-profile-handler"}),
     "sim-pd-epp-config.yaml": Refused("plugins[5].parameters.primaryPort: must be an integer, got '${PRIMARY_PORT}'"),
-    "epp-estimate-prefix-cache-config.yaml": Refused(
-        'plugins[3].type: the picker does not support llm-d\'s type "load-aware-scorer"'
+    "epp-estimate-prefix-cache-config.yaml": Accepted(
+        frozenset({"single-profile-handler", "decode-filter", "prefix-cache-scorer", "load-aware-scorer"})
     ),
     "sim-epp-no-hit-lru.yaml": Refused(
         'plugins[1].type: the picker does not support llm-d\'s type "no-hit-lru-scorer"'

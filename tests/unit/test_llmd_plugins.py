@@ -14,7 +14,7 @@ from picker.config.loader import build, parse_text
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import Filter
+from picker.framework.plugin import Filter, Scorer
 from picker.framework.request import Api, InferenceRequest
 from picker.scheduling.labels import ROLE_LABEL
 
@@ -131,3 +131,17 @@ def test_pd_profile_handler_defaults_are_llmds() -> None:
         "hashBlockSize": 64,
         "primaryPort": 0,
     }
+
+
+def test_load_aware_scorer_halves_an_empty_queue_and_reaches_zero_at_the_threshold() -> None:
+    config = plugin_config("load-aware-scorer", {"threshold": 10})
+    plugin = build(parse_text(config)).plugins["under-test"]
+    assert isinstance(plugin, Scorer)
+    queues = [
+        EndpointState(Endpoint(f"10.0.0.{q}", 8000), EndpointMetrics(waiting_queue_size=q)) for q in (0, 5, 10, 20)
+    ]
+    assert list(plugin.score(REQUEST, CycleState(), queues)) == [0.5, 0.25, 0.0, 0.0]
+    # llm-d takes a threshold <= 0 as its default, 128.
+    default = build(parse_text(plugin_config("load-aware-scorer", {"threshold": 0}))).plugins["under-test"]
+    assert isinstance(default, Scorer)
+    assert list(default.score(REQUEST, CycleState(), queues[:1] + [queues[3]])) == [0.5, 0.5 * (1 - 20 / 128)]
