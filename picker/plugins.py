@@ -21,6 +21,7 @@ from picker.latency.plugins import (
     PrefixCacheAffinityFilter,
     SloHeadroomTierFilter,
 )
+from picker.prefix.no_hit_lru import NoHitLruScorer
 from picker.prefix.plugins import (
     PREFIX_MATCH_KEY,
     PROMPT_BLOCKS_KEY,
@@ -83,6 +84,7 @@ REGISTRY = Registry(
         Registration(CacheFitScorer.plugin_type, CacheFitScorer.create),
         Registration(TtftCostScorer.plugin_type, TtftCostScorer.create),
         Registration(SessionAffinityScorer.plugin_type, SessionAffinityScorer.create),
+        Registration(NoHitLruScorer.plugin_type, NoHitLruScorer.create),
         # latency: the reference's latency-predictor plugins, on the picker's TTFT and TPOT models
         Registration(PredictedLatencyProducer.plugin_type, PredictedLatencyProducer.create),
         Registration(LatencyScorer.plugin_type, LatencyScorer.create),
@@ -125,5 +127,4 @@ UNSUPPORTED_REFERENCE_TYPES = {
 # with this reason rather than as an unknown type.
 UNSUPPORTED_LLMD_TYPES = {
     "active-request-scorer": "llm-d's active-request scorer is not implemented yet",
-    "no-hit-lru-scorer": "llm-d's no-hit LRU scorer is not implemented yet",
 }

@@ -64,9 +64,7 @@ CASES: dict[str, Accepted | Refused] = {
     "epp-estimate-prefix-cache-config.yaml": Accepted(
         frozenset({"single-profile-handler", "decode-filter", "prefix-cache-scorer", "load-aware-scorer"})
     ),
-    "sim-epp-no-hit-lru.yaml": Refused(
-        'plugins[1].type: the picker does not support llm-d\'s type "no-hit-lru-scorer"'
-    ),
+    "sim-epp-no-hit-lru.yaml": Accepted(DECODE_ONLY | {"no-hit-lru-scorer"}),
     # llm-d's own forms of the precise prefix index, not mapped onto the picker's yet.
     "epp-precise-prefix-cache-config.yaml": Refused("plugins[2].parameters.indexerConfig: unknown parameter"),
     "sim-epp-kvcache-config.yaml": Refused("plugins[0].parameters.mode: unknown parameter"),

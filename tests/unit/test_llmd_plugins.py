@@ -14,8 +14,10 @@ from picker.config.loader import build, parse_text
 from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.framework.cycle_state import CycleState
-from picker.framework.plugin import Filter, Scorer
+from picker.framework.plugin import Filter, PreRequest, ProfileRunResult, SchedulingResult, Scorer
 from picker.framework.request import Api, InferenceRequest
+from picker.prefix.plugins import PREFIX_MATCH_KEY, PrefixMatch
+from picker.prefix.prompt_blocks import PromptBlocks
 from picker.scheduling.labels import ROLE_LABEL
 
 
@@ -145,3 +147,33 @@ def test_load_aware_scorer_halves_an_empty_queue_and_reaches_zero_at_the_thresho
     default = build(parse_text(plugin_config("load-aware-scorer", {"threshold": 0}))).plugins["under-test"]
     assert isinstance(default, Scorer)
     assert list(default.score(REQUEST, CycleState(), queues[:1] + [queues[3]])) == [0.5, 0.5 * (1 - 20 / 128)]
+
+
+def test_an_llmd_type_the_picker_does_not_have_is_refused_naming_it() -> None:
+    assert refusal("active-request-scorer", {}) == (
+        'plugins[0].type: the picker does not support llm-d\'s type "active-request-scorer": '
+        "llm-d's active-request scorer is not implemented yet"
+    )
+
+
+def no_hit_lru_scores(scorer: Scorer, candidates: list[EndpointState], cold: bool) -> list[float]:
+    """Score a request (cold: nothing cached anywhere), then route it to the best candidate."""
+    cycle_state = CycleState()
+    if not cold:
+        blocks = PromptBlocks("chars", (1,), 16, 16, 0)
+        cycle_state[PREFIX_MATCH_KEY] = PrefixMatch(blocks, {candidates[0].address: 1})
+    scores = list(scorer.score(REQUEST, cycle_state, candidates))
+    best = candidates[scores.index(max(scores))]
+    assert isinstance(scorer, PreRequest)
+    scorer.pre_request(REQUEST, SchedulingResult({"p": ProfileRunResult((best,))}, "p", cycle_state))
+    return scores
+
+
+def test_no_hit_lru_scorer_sends_cold_requests_to_the_least_recently_used() -> None:
+    scorer = build(parse_text(plugin_config("no-hit-lru-scorer", {"lruSize": 8}))).plugins["under-test"]
+    assert isinstance(scorer, Scorer)
+    pods = [state("a"), state("bb"), state("ccc")]
+    assert no_hit_lru_scores(scorer, pods, cold=True) == [1.0, 0.5, 0.0]  # none used yet: in order
+    assert no_hit_lru_scores(scorer, pods, cold=True) == [0.0, 1.0, 0.5]  # "a" is now the most recent
+    assert no_hit_lru_scores(scorer, pods, cold=False) == [0.5, 0.5, 0.5]  # a prefix hit: neutral
+    assert no_hit_lru_scores(scorer, pods, cold=True) == [0.5, 0.0, 1.0]  # the hit did not count
