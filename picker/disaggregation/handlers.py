@@ -51,10 +51,6 @@ def _primary_port(p: Parameters, default: int) -> int:
     return port
 
 
-def _decode_workers_missing() -> RequestError:
-    return RequestError("ResourceExhausted", "failed to find available decode workers")
-
-
 class PdProfileHandler(ProfileHandler):
     """`pd-profile-handler` (llm-d): decode first, then prefill when the uncached prompt is long.
 
@@ -123,7 +119,7 @@ class PdProfileHandler(ProfileHandler):
     ) -> SchedulingResult:
         decode = results.get(self.decode_profile)
         if decode is None or not decode.targets:
-            raise _decode_workers_missing()
+            raise RequestError("ResourceExhausted", "failed to find available decode workers")
         final: dict[str, ProfileRunResult | None] = {self.decode_profile: decode}
         if self.primary_port:
             set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, decode.targets[0].address)
