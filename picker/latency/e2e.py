@@ -4,12 +4,18 @@ costs the requests already running there.
 For endpoint *e* and a request expected to generate *N* output tokens:
 
     e2e(e)  = ttft(e) + N × tpot(e, b)
-    harm(e) = weight × (per_seq(e) × overlap(e) + prefill(e) × running(e))
+    tpot(e, b) = (base(e) + per_seq(e) × b) / (1 − ρ(e))
+    harm(e) = weight × (per_seq(e) / (1 − ρ(e)) × overlap(e) + prefill(e) × running(e))
 
 * `ttft(e)`: the TTFT model's prediction (queue wait + prefill of what *e* does not hold,
   `picker.prefix.ttft`); `prefill(e)` its prefill part, `running(e)` the requests running there.
-* `tpot(e, b) = base(e) + per_seq(e) × b`: *e*'s time per output token with *b* sequences in its
-  batch, learnt online (`TpotByBatch`).
+* `base(e) + per_seq(e) × b`: *e*'s decode step with *b* sequences in its batch, learnt online
+  (`TpotByBatch`).
+* `ρ(e)`: the share of *e*'s time its prefills take, which its decodes wait through (they share
+  its engine steps): the uncached prompt tokens a second the picker has sent it lately (a sum
+  decayed over `PREFILL_WINDOW_S`) over the TTFT model's prefill rate, at most
+  `MAX_PREFILL_SHARE`. Prompts sent after this one stall its decode; recent traffic is the
+  guess at what will follow.
 * The batch over the request's life comes from the picker's *ledger* of its own requests in
   flight at *e*: how many, and their committed decode tokens (each one's expected output, drained
   as *e* generates tokens, `count / tpot` a second). `overlap(e) = min(committed, count × N)` of
@@ -22,17 +28,19 @@ A pod with a short queue but many long decodes is slow for whoever lands there; 
 that where the TTFT cost does not.
 
 TPOT learning: a streamed response that generated at least two tokens gives a sample,
-(duration − TTFT) / (completion tokens − 1), against the mean number of the picker's requests in
-flight at its endpoint over its life (the ledger's time integral from pick to end, the request
-itself included). A least-squares line through the samples, with exponential forgetting
-(`FORGET`), is kept for every endpoint and for the pool; an endpoint's line is its own shrunk
-towards the pool's by its sample count (`picker.prefix.ttft.shrunk`), and where its batches have
-varied too little to show a slope it takes the pool's. No sample anywhere yet: nothing learnt
-(`TpotByBatch.learnt` is False).
+(duration − TTFT) / (completion tokens − 1), × (1 − ρ over its life: the uncached tokens sent
+to its endpoint between its pick and its end, per second, over the prefill rate), against the
+mean number of the picker's requests in flight at its endpoint over its life (the ledger's time
+integral from pick to end, the request itself included). A least-squares line through the
+samples, with exponential forgetting (`FORGET`), is kept for every endpoint and for the pool; an
+endpoint's line is its own shrunk towards the pool's by its sample count
+(`picker.prefix.ttft.shrunk`), and where its batches have varied too little to show a slope it
+takes the pool's. No sample anywhere yet: nothing learnt (`TpotByBatch.learnt` is False).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -44,6 +52,8 @@ from picker.prefix.ttft import shrunk
 
 FORGET = 1.0 - 1.0 / 256  # each TPOT sample's weight decays by this per later sample
 MIN_BATCH_VARIANCE = 0.25  # sequences²: below it the samples show no slope of their own
+PREFILL_WINDOW_S = 10.0  # how long prefill sent to an endpoint counts towards its recent rate
+MAX_PREFILL_SHARE = 0.8  # ρ at most: an endpoint does not stop decoding altogether
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -79,7 +89,7 @@ class _Line:
 
 
 class TpotCurve(NamedTuple):
-    """One endpoint's learnt time per output token: `base + per_seq × batch` seconds."""
+    """One endpoint's learnt decode step, prefill stalls aside: `base + per_seq × batch` seconds."""
 
     base: float
     per_seq: float
@@ -89,8 +99,8 @@ class TpotCurve(NamedTuple):
 
 
 class TpotByBatch:
-    """Time per output token as a function of the batch, per endpoint and for the pool (see the
-    module docstring)."""
+    """The decode step (time per output token without prefill stalls) as a function of the batch,
+    per endpoint and for the pool (see the module docstring)."""
 
     def __init__(self) -> None:
         self._endpoints: dict[str, _Line] = {}
@@ -101,12 +111,15 @@ class TpotByBatch:
         """Whether any sample has been seen."""
         return self._pool.samples > 0
 
-    def observe(self, endpoint: str, mean_batch: float, decode_seconds: float, completion_tokens: int) -> None:
+    def observe(
+        self, endpoint: str, mean_batch: float, prefill_share: float, decode_seconds: float, completion_tokens: int
+    ) -> None:
         """Learn from one streamed response: `decode_seconds` from its first byte to its end,
-        with `mean_batch` of the picker's requests in flight at `endpoint` over its life."""
+        with `mean_batch` of the picker's requests in flight at `endpoint` over its life, which
+        spent `prefill_share` of its time on prefills."""
         if completion_tokens < 2 or decode_seconds <= 0.0:
             return
-        sample = decode_seconds / (completion_tokens - 1)
+        sample = decode_seconds / (completion_tokens - 1) * (1.0 - min(prefill_share, MAX_PREFILL_SHARE))
         batch = max(1.0, mean_batch)
         self._endpoints.setdefault(endpoint, _Line()).add(batch, sample)
         self._pool.add(batch, sample)
@@ -138,7 +151,27 @@ class _Ledger:
     requests: int = 0
     committed_tokens: float = 0.0  # expected output tokens not generated yet
     load_integral: float = 0.0  # ∫ requests dt: the mean batch between two readings
+    prefill_sent: float = 0.0  # uncached prompt tokens sent, ever
+    prefill_recent: float = 0.0  # ... decayed over PREFILL_WINDOW_S: / PREFILL_WINDOW_S = the rate
     time: float = 0.0
+
+
+class PodLoad(NamedTuple):
+    """The ledger's view of one endpoint: the picker's requests in flight there, the decode
+    tokens they are still expected to generate, and the uncached prompt tokens a second it has
+    been sent lately."""
+
+    requests: int
+    committed_tokens: float
+    prefill_tokens_per_second: float
+
+
+class Life(NamedTuple):
+    """What a request's endpoint did over its life: the mean number of the picker's requests in
+    flight there (itself included) and the uncached prompt tokens a second sent there after it."""
+
+    mean_batch: float
+    prefill_tokens_per_second: float
 
 
 class InFlight(NamedTuple):
@@ -147,12 +180,15 @@ class InFlight(NamedTuple):
     address: str
     expected_tokens: int
     load_integral: float
+    prefill_sent: float
     time: float
 
 
 class DecodeLedger:
-    """Per endpoint: the picker's requests in flight there and their committed decode tokens,
-    drained at the rate the endpoint generates tokens (see the module docstring)."""
+    """Per endpoint: the picker's requests in flight there, their committed decode tokens
+    (drained at the rate the endpoint's decode step generates them, prefill stalls aside: under
+    heavy prefill the drain runs a little fast) and the prefill sent there (see the module
+    docstring)."""
 
     def __init__(self, tpot: TpotByBatch, clock: Callable[[], float] = time.monotonic) -> None:
         self.tpot = tpot
@@ -164,6 +200,8 @@ class DecodeLedger:
         if ledger is None:
             ledger = self._ledgers[address] = _Ledger(time=now)
         elapsed = now - ledger.time
+        if elapsed > 0.0 and ledger.prefill_recent:
+            ledger.prefill_recent *= math.exp(-elapsed / PREFILL_WINDOW_S)
         if elapsed > 0.0 and ledger.requests:
             ledger.load_integral += ledger.requests * elapsed
             tpot = self.tpot.curve(address).seconds(ledger.requests)
@@ -172,22 +210,26 @@ class DecodeLedger:
         ledger.time = max(ledger.time, now)
         return ledger
 
-    def load(self, address: str, now: float) -> tuple[int, float]:
-        """(requests in flight, committed decode tokens) at `address` as of `now`."""
+    def load(self, address: str, now: float) -> PodLoad:
+        """`address`'s load as of `now`."""
         ledger = self._advanced(address, now)
-        return ledger.requests, ledger.committed_tokens
+        return PodLoad(ledger.requests, ledger.committed_tokens, ledger.prefill_recent / PREFILL_WINDOW_S)
 
-    def sent(self, address: str, expected_tokens: int) -> InFlight:
-        """A request expected to generate `expected_tokens` was sent to `address`."""
+    def sent(self, address: str, expected_tokens: int, uncached_tokens: int) -> InFlight:
+        """A request expected to generate `expected_tokens`, with `uncached_tokens` of its prompt
+        to prefill, was sent to `address`."""
         now = self.clock()
         ledger = self._advanced(address, now)
         ledger.requests += 1
         ledger.committed_tokens += expected_tokens
-        return InFlight(address, expected_tokens, ledger.load_integral, now)
+        ledger.prefill_sent += uncached_tokens
+        ledger.prefill_recent += uncached_tokens
+        # Its own prefill comes before its first token: only what is sent after it stalls it.
+        return InFlight(address, expected_tokens, ledger.load_integral, ledger.prefill_sent, now)
 
-    def ended(self, sent: InFlight, completion_tokens: int | None) -> float:
-        """The request `sent` ended after `completion_tokens` (None: unknown); returns the mean
-        number of requests in flight at its endpoint over its life."""
+    def ended(self, sent: InFlight, completion_tokens: int | None) -> Life:
+        """The request `sent` ended after `completion_tokens` (None: unknown): what its endpoint
+        did over its life."""
         now = self.clock()
         ledger = self._advanced(sent.address, now)
         ledger.requests = max(0, ledger.requests - 1)
@@ -198,7 +240,11 @@ class DecodeLedger:
         if not ledger.requests:
             ledger.committed_tokens = 0.0
         elapsed = now - sent.time
-        return (ledger.load_integral - sent.load_integral) / elapsed if elapsed > 0.0 else float(ledger.requests + 1)
+        if elapsed <= 0.0:
+            return Life(float(ledger.requests + 1), 0.0)
+        return Life(
+            (ledger.load_integral - sent.load_integral) / elapsed, (ledger.prefill_sent - sent.prefill_sent) / elapsed
+        )
 
     def forget(self, endpoints: Iterable[str]) -> None:
         for endpoint in endpoints:
@@ -294,6 +340,7 @@ class E2eEstimate(NamedTuple):
     decode_seconds: float
     tpot_seconds: float
     mean_batch: float
+    prefill_share: float
     expected_tokens: int
     harm_seconds: float
 
@@ -305,21 +352,25 @@ class E2eEstimate(NamedTuple):
 
 def estimate(
     curve: TpotCurve,
-    load: tuple[int, float],
+    load: PodLoad,
+    prefill_tokens_per_second: float,
     expected_tokens: int,
     ttft_seconds: float,
     prefill_stall_seconds: float,
     harm_weight: float,
 ) -> E2eEstimate:
-    """The prediction at one endpoint (`load`: the ledger's requests and committed tokens there;
-    `prefill_stall_seconds`: the prefill's stall summed over the requests running there)."""
-    requests, committed = load
-    overlap = min(committed, requests * expected_tokens)
+    """The prediction at one endpoint (`load`: the ledger's there; `prefill_tokens_per_second`:
+    its prefill rate; `prefill_stall_seconds`: the prefill's stall summed over the requests
+    running there)."""
+    overlap = min(load.committed_tokens, load.requests * expected_tokens)
     mean_batch = 1.0 + overlap / expected_tokens
-    tpot = curve.seconds(mean_batch)
+    stalled = 1.0 - min(load.prefill_tokens_per_second / prefill_tokens_per_second, MAX_PREFILL_SHARE)
+    tpot = curve.seconds(mean_batch) / stalled
     decode = expected_tokens * tpot
-    harm = harm_weight * (curve.per_seq * overlap + prefill_stall_seconds)
-    return E2eEstimate(ttft_seconds + decode, ttft_seconds, decode, tpot, mean_batch, expected_tokens, harm)
+    harm = harm_weight * (curve.per_seq / stalled * overlap + prefill_stall_seconds)
+    return E2eEstimate(
+        ttft_seconds + decode, ttft_seconds, decode, tpot, mean_batch, 1.0 - stalled, expected_tokens, harm
+    )
 
 
 def e2e_scores(estimates: Sequence[E2eEstimate], alone_seconds: float) -> list[float]:

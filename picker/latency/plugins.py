@@ -594,7 +594,10 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             curve = tpot.curve(state.address)
             alone = min(alone, tokens * curve.seconds(1.0))
             load = ledger.load(state.address, now)
-            estimates.append(estimate(curve, load, tokens, first.seconds, first.interference_seconds, weight))
+            prefill_rate = ttft.prefill_rate(state.address)
+            estimates.append(
+                estimate(curve, load, prefill_rate, tokens, first.seconds, first.interference_seconds, weight)
+            )
         predicted: dict[str, E2eEstimate] = cycle_state.explain().setdefault(PREDICTED_E2E, {})
         predicted.update((c.address, e) for c, e in zip(candidates, estimates))
         return e2e_scores(estimates, alone)
@@ -602,8 +605,10 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         if not result.targets:
             return
+        target = result.targets[0]
         tokens, _ = self.expected(request, result.cycle_state)
-        result.cycle_state[_SENT_KEY] = self.ledger.sent(result.targets[0].address, tokens)
+        prompt_tokens, (cached,) = prompt_and_cached_tokens(request, result.cycle_state, [target])
+        result.cycle_state[_SENT_KEY] = self.ledger.sent(target.address, tokens, max(0, prompt_tokens - cached))
 
     def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
         sent = result.cycle_state.read(_SENT_KEY)
@@ -612,20 +617,21 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         usage = outcome.usage
         served = 200 <= outcome.status < 300 and outcome.endpoint in ("", sent.address)
         completion = usage.completion_tokens if served and usage is not None else None
-        mean_batch = self.ledger.ended(sent, completion)
+        life = self.ledger.ended(sent, completion)
         if completion is None:
             return
         _, session = self.expected(request, result.cycle_state)
         self.lengths.observe(request, session, completion)
         ttft = outcome.ttft_seconds
         if request.stream and ttft is not None:
-            self.tpot.observe(sent.address, mean_batch, outcome.duration_seconds - ttft, completion)
+            share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
+            self.tpot.observe(sent.address, life.mean_batch, share, outcome.duration_seconds - ttft, completion)
         result.cycle_state.explain()[OBSERVED_E2E] = {
             "endpoint": sent.address,
             "seconds": outcome.duration_seconds,
             "completion_tokens": completion,
             "expected_tokens": sent.expected_tokens,
-            "mean_batch": mean_batch,
+            "mean_batch": life.mean_batch,
         }
 
 

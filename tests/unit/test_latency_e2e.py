@@ -65,9 +65,11 @@ def setup(*metrics: EndpointMetrics, **parameters: Any) -> tuple[Any, Datastore,
     return runtime, datastore, scorer, clock
 
 
-def request(body: Mapping[str, Any] | None = None, stream: bool = True, request_id: str = "r") -> InferenceRequest:
+def request(
+    body: Mapping[str, Any] | None = None, stream: bool = True, request_id: str = "r", prompt: str = "word " * 100
+) -> InferenceRequest:
     return InferenceRequest(
-        request_id, Api.COMPLETIONS, "m", "m", stream=stream, prompt_text="word " * 100, body=dict(body or {})
+        request_id, Api.COMPLETIONS, "m", "m", stream=stream, prompt_text=prompt, body=dict(body or {})
     )
 
 
@@ -98,8 +100,9 @@ def answer(
 
 
 def teach(scorer: E2eCostScorer, datastore: Datastore, clock: Clock, address: str, batch: int, tpot: float) -> None:
-    """`batch` requests of 101 tokens run together at `address`, `tpot` seconds a token."""
-    pending = [(req, send(scorer, datastore, address, req)) for req in (request() for _ in range(batch))]
+    """`batch` requests of 101 tokens run together at `address`, `tpot` seconds a token (their
+    prompts are empty: no prefill stalls the others)."""
+    pending = [(req, send(scorer, datastore, address, req)) for req in (request(prompt="") for _ in range(batch))]
     clock.now += 0.05 + 100 * tpot
     for req, result in pending:
         answer(scorer, req, result, address, 101, tpot)
@@ -189,18 +192,46 @@ def test_a_long_answer_avoids_a_short_queue_whose_batch_is_full_of_long_decodes(
 def test_committed_decode_drains_as_the_pod_generates_and_the_mean_batch_is_over_the_requests_life() -> None:
     clock = Clock()
     tpot = TpotByBatch()
-    tpot.observe(FIRST, 1.0, 0.99, 100)  # 10 ms a token
+    tpot.observe(FIRST, 1.0, 0.0, 0.99, 100)  # 10 ms a token
     ledger = DecodeLedger(tpot, clock)
-    first = ledger.sent(FIRST, 100)
+    first = ledger.sent(FIRST, 100, 0)
     clock.now += 0.5
-    second = ledger.sent(FIRST, 100)
-    assert ledger.load(FIRST, clock.now) == (2, pytest.approx(150.0))  # 50 of the first's generated
+    second = ledger.sent(FIRST, 100, 0)
+    load = ledger.load(FIRST, clock.now)
+    assert load.requests == 2 and load.committed_tokens == pytest.approx(150.0)  # 50 of the first's generated
     clock.now += 0.5
-    assert ledger.ended(first, 100) == pytest.approx(1.5)  # alone for half its life, in two for half
-    assert ledger.load(FIRST, clock.now) == (1, pytest.approx(50.0))
+    assert ledger.ended(first, 100).mean_batch == pytest.approx(1.5)  # alone for half its life, in two for half
+    load = ledger.load(FIRST, clock.now)
+    assert load.requests == 1 and load.committed_tokens == pytest.approx(50.0)
     clock.now += 0.5
-    assert ledger.ended(second, 60) == pytest.approx(1.5)  # in two for half its life, then alone
-    assert ledger.load(FIRST, clock.now) == (0, 0.0)
+    assert ledger.ended(second, 60).mean_batch == pytest.approx(1.5)  # in two for half its life, then alone
+    load = ledger.load(FIRST, clock.now)
+    assert (load.requests, load.committed_tokens) == (0, 0.0)
+
+
+def test_prefill_sent_to_a_pod_stalls_its_predicted_decode_and_is_taken_out_of_what_is_learnt() -> None:
+    runtime, datastore, scorer, clock = setup()
+    prefill_rate = scorer.ttft.prefill_rate(FIRST)  # the TTFT model's prior, the same everywhere
+    # One request's decode step is 10 ms, and prefill sent to its pod after it takes a share of
+    # the pod's time over its 1 s life: it observes 10 ms / (1 - share) a token.
+    req = request()
+    result = send(scorer, datastore, FIRST, req)
+    arrivals = [request(request_id=f"p{i}") for i in range(4)]
+    for arrival in arrivals:
+        send(scorer, datastore, FIRST, arrival)
+    clock.now += 1.0
+    share = 4 * arrivals[0].estimated_prompt_tokens() / prefill_rate
+    assert share > 0.05
+    answer(scorer, req, result, FIRST, 101, 0.010 / (1 - share), ttft=0.0)
+    assert scorer.tpot.curve(FIRST).seconds(1.0) == pytest.approx(0.010)
+    # 20,000 uncached tokens just sent to the second pod: its decodes will wait through them.
+    for i in range(8):
+        send(
+            scorer, datastore, SECOND, InferenceRequest(f"big{i}", Api.COMPLETIONS, "m", "m", prompt_text="w" * 10_000)
+        )
+    found = predicted(runtime, datastore, scorer, request({"max_tokens": 200}))
+    assert found[SECOND].prefill_share > 0.2 and found[THIRD].prefill_share == 0.0
+    assert found[SECOND].tpot_seconds == pytest.approx(found[THIRD].tpot_seconds / (1 - found[SECOND].prefill_share))
 
 
 def test_max_tokens_is_the_expected_output_else_the_sessions_else_the_models() -> None:
