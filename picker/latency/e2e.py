@@ -105,6 +105,7 @@ class TpotByBatch:
     def __init__(self) -> None:
         self._endpoints: dict[str, _Line] = {}
         self._pool = _Line()
+        self._curves: dict[str, TpotCurve] = {}  # fitted once per sample, read per candidate
 
     @property
     def learnt(self) -> bool:
@@ -123,9 +124,16 @@ class TpotByBatch:
         batch = max(1.0, mean_batch)
         self._endpoints.setdefault(endpoint, _Line()).add(batch, sample)
         self._pool.add(batch, sample)
+        self._curves.clear()
 
     def curve(self, endpoint: str) -> TpotCurve:
-        """`endpoint`'s TPOT line (all zero while nothing is learnt)."""
+        """`endpoint`'s decode step line (all zero while nothing is learnt)."""
+        curve = self._curves.get(endpoint)
+        if curve is None:
+            curve = self._curves[endpoint] = self._fit(endpoint)
+        return curve
+
+    def _fit(self, endpoint: str) -> TpotCurve:
         pool = self._pool
         if not pool.samples:
             return TpotCurve(0.0, 0.0)
@@ -142,6 +150,7 @@ class TpotByBatch:
     def forget(self, endpoints: Iterable[str]) -> None:
         for endpoint in endpoints:
             self._endpoints.pop(endpoint, None)
+        self._curves.clear()
 
 
 @dataclass(slots=True)
