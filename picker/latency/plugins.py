@@ -80,7 +80,7 @@ _E2E_KEY = "latency/e2e"
 _EXPECTED_KEY = StateKey("e2e-cost-scorer/expected", tuple)
 _SENT_KEY = StateKey("e2e-cost-scorer/sent", InFlight)
 PREDICTED_E2E = "predicted_e2e"  # explain topic: {address: E2eEstimate}
-OBSERVED_E2E = "observed_e2e"  # explain topic: {endpoint, seconds, completion_tokens, ...}
+OBSERVED_E2E = "observed_e2e"  # explain topic: {endpoint, seconds, predicted_seconds, completion_tokens, ...}
 
 # {address: {request id: TPOT SLO ms}} of the requests in flight (the reference's per-endpoint queue).
 RunningTpotSlos = dict[str, dict[str, float]]
@@ -626,9 +626,12 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         if request.stream and ttft is not None:
             share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
             self.tpot.observe(sent.address, life.mean_batch, share, outcome.duration_seconds - ttft, completion)
-        result.cycle_state.explain()[OBSERVED_E2E] = {
+        explain = result.cycle_state.explain()
+        predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
+        explain[OBSERVED_E2E] = {
             "endpoint": sent.address,
             "seconds": outcome.duration_seconds,
+            "predicted_seconds": None if predicted is None else predicted.seconds,
             "completion_tokens": completion,
             "expected_tokens": sent.expected_tokens,
             "mean_batch": life.mean_batch,

@@ -261,13 +261,19 @@ def test_max_tokens_is_the_expected_output_else_the_sessions_else_the_models() -
 
 
 def test_the_observed_completion_is_explained_beside_the_prediction() -> None:
-    _, datastore, scorer, _ = setup()
+    runtime, datastore, scorer, clock = setup()
+    teach(scorer, datastore, clock, FIRST, batch=1, tpot=0.010)
     req = request({"max_tokens": 50})
-    result = send(scorer, datastore, FIRST, req)
+    cycle_state = CycleState()
+    prepare(runtime, req, datastore.snapshot(), cycle_state)
+    scorer.score(req, cycle_state, datastore.snapshot())
+    result = SchedulingResult({"default": ProfileRunResult((state_of(datastore, FIRST),))}, "default", cycle_state)
+    scorer.pre_request(req, result)
     answer(scorer, req, result, FIRST, 50, 0.01)
-    observed = result.cycle_state.explain()[OBSERVED_E2E]
+    observed = cycle_state.explain()[OBSERVED_E2E]
     assert observed["endpoint"] == FIRST and observed["expected_tokens"] == 50 and observed["completion_tokens"] == 50
     assert observed["seconds"] == pytest.approx(0.05 + 49 * 0.01)
+    assert observed["predicted_seconds"] == cycle_state.explain()[PREDICTED_E2E][FIRST].seconds
 
 
 @pytest.mark.parametrize(
