@@ -504,7 +504,8 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
     Until a streamed response has taught the TPOT model anything it scores every endpoint 1
     (the TTFT cost then decides alone). Its TTFT part is the prefix producer's TTFT model, which
     the scorer therefore brings into the config. It learns from every response it routed: the
-    endpoint's TPOT against its batch, and the output lengths of the request's model and session.
+    endpoint's decode step against its batch (prefill stalls taken out), and the output lengths
+    of the request's model and session.
 
     Parameters: `harmWeight` (1, >= 0): how much the slowdown of the requests already running
     counts (0: the request's own completion time only); `defaultOutputTokens` (256): the
@@ -544,10 +545,9 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> E2eCostScorer:
         params = Parameters(parameters)
         defaults = E2eSettings()
-        default_output = params.integer("defaultOutputTokens", defaults.default_output_tokens, at_least=1)
         settings = E2eSettings(
             harm_weight=params.number("harmWeight", defaults.harm_weight, at_least=0),
-            default_output_tokens=default_output,
+            default_output_tokens=params.integer("defaultOutputTokens", defaults.default_output_tokens, at_least=1),
             max_output_tokens=params.integer("maxOutputTokens", defaults.max_output_tokens, at_least=1),
             session_fields=params.strings("sessionFields", defaults.session_fields),
             session_header=params.string("sessionHeader", "").lower() or None,
