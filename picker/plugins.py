@@ -15,6 +15,7 @@ from picker.flowcontrol.policies import POLICY_FACTORIES
 from picker.framework.registry import Registration, Registry
 from picker.kvevents.plugins import PreciseScorer
 from picker.latency.plugins import (
+    E2eCostScorer,
     LatencyScorer,
     LatencySloAdmitter,
     PredictedLatencyProducer,
@@ -85,12 +86,14 @@ REGISTRY = Registry(
         Registration(TtftCostScorer.plugin_type, TtftCostScorer.create),
         Registration(SessionAffinityScorer.plugin_type, SessionAffinityScorer.create),
         Registration(NoHitLruScorer.plugin_type, NoHitLruScorer.create),
-        # latency: the reference's latency-predictor plugins, on the picker's TTFT and TPOT models
+        # latency: the reference's latency-predictor plugins, on the picker's TTFT and TPOT models, and
+        # the picker's completion-time cost
         Registration(PredictedLatencyProducer.plugin_type, PredictedLatencyProducer.create),
         Registration(LatencyScorer.plugin_type, LatencyScorer.create),
         Registration(PrefixCacheAffinityFilter.plugin_type, PrefixCacheAffinityFilter.create),
         Registration(SloHeadroomTierFilter.plugin_type, SloHeadroomTierFilter.create),
         Registration(LatencySloAdmitter.plugin_type, LatencySloAdmitter.create),
+        Registration(E2eCostScorer.plugin_type, E2eCostScorer.create),
         # kvevents: the precise index fed by the engines' KV-cache events
         Registration(PreciseScorer.plugin_type, PreciseScorer.create),
         # datalayer: what to scrape and read

@@ -9,6 +9,8 @@ types, parameters and rules, predicting with the picker's own models.
   costs more than `maxTTFTPenaltyMs` of predicted TTFT.
 * `slo-headroom-tier-filter`: keeps the endpoints predicted within the SLOs, if any.
 * `latency-slo-admitter`: denies a sheddable request with SLOs no endpoint can meet.
+* `e2e-cost-scorer` (the picker's own): best predicted completion time / the endpoint's,
+  decode included (`picker.latency.e2e`).
 
 Difference from the reference: no sidecars. The reference trains XGBoost models in a training
 sidecar and asks prediction sidecars over HTTP; here the TTFT is the picker's `TtftModel`
@@ -42,6 +44,15 @@ from picker.framework.plugin import (
     ScorerCategory,
 )
 from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.latency.e2e import (
+    DecodeLedger,
+    E2eEstimate,
+    InFlight,
+    OutputLengths,
+    TpotByBatch,
+    e2e_scores,
+    estimate,
+)
 from picker.latency.prediction import (
     LATENCY_PREDICTIONS_KEY,
     TPOT_SLO_HEADER,
@@ -53,6 +64,7 @@ from picker.latency.prediction import (
 )
 from picker.latency.tpot import TpotModel
 from picker.prefix.plugins import PREFIX_MATCH_KEY, ProducerTtftModel, prompt_and_cached_tokens
+from picker.prefix.session import session_name
 from picker.prefix.ttft import TtftModel
 
 # The producer's own objects that outlive reloads (Handle.persistent keys, + ":" + its name).
@@ -62,6 +74,13 @@ _PREFILL_ROLE = "prefill"
 # The request's (TTFT, TPOT) SLOs in ms, and where its TPOT SLO was counted as running.
 _SLOS_KEY = StateKey("predicted-latency-producer/slos", tuple)
 _RUNNING_KEY = StateKey("predicted-latency-producer/running", tuple)
+# The e2e-cost-scorer's persistent objects (+ ":" + its name), and per request: its expected
+# output tokens and session, and what the ledger recorded when it was sent.
+_E2E_KEY = "latency/e2e"
+_EXPECTED_KEY = StateKey("e2e-cost-scorer/expected", tuple)
+_SENT_KEY = StateKey("e2e-cost-scorer/sent", InFlight)
+PREDICTED_E2E = "predicted_e2e"  # explain topic: {address: E2eEstimate}
+OBSERVED_E2E = "observed_e2e"  # explain topic: {endpoint, seconds, predicted_seconds, completion_tokens, ...}
 
 # {address: {request id: TPOT SLO ms}} of the requests in flight (the reference's per-endpoint queue).
 RunningTpotSlos = dict[str, dict[str, float]]
@@ -464,3 +483,166 @@ class LatencySloAdmitter(Admitter):
             if (p is not None and p.valid) or c.metrics.running_requests_size == 0 or c.metrics.kv_cache_usage < 0.02:
                 return None
         return "no valid endpoint available to serve the request"
+
+
+@dataclass(frozen=True, slots=True)
+class E2eSettings:
+    """`e2e-cost-scorer`'s parameters (see the class)."""
+
+    harm_weight: float = 1.0
+    default_output_tokens: int = 256
+    max_output_tokens: int = 4096
+    session_fields: tuple[str, ...] = ("prompt_cache_key", "user")
+    session_header: str | None = None
+
+
+class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
+    """`e2e-cost-scorer`: the predicted completion time, decode included, plus the harm to the
+    requests already running at the endpoint (`picker.latency.e2e`); scores best / predicted,
+    both counted beyond the decode time every endpoint takes anyway (`e2e_scores`).
+
+    Until a streamed response has taught the TPOT model anything it scores every endpoint 1
+    (the TTFT cost then decides alone). Its TTFT part is the prefix producer's TTFT model, which
+    the scorer therefore brings into the config. It learns from every response it routed: the
+    endpoint's decode step against its batch (prefill stalls taken out), and the output lengths
+    of the request's model and session.
+
+    Parameters: `harmWeight` (1, >= 0): how much the slowdown of the requests already running
+    counts (0: the request's own completion time only); `defaultOutputTokens` (256): the
+    expected output before any response has been seen; `maxOutputTokens` (4096): the cap on
+    every expectation, `max_tokens` included; `sessionFields` (["prompt_cache_key", "user"])
+    and `sessionHeader` (none): where a request names its session, as for
+    `session-affinity-scorer`; `sessionCapacity` (100000): sessions whose output lengths are
+    remembered. Each endpoint's prediction goes to the decision's explain map
+    (`predicted_e2e`), the observed completion time after the response (`observed_e2e`).
+    """
+
+    plugin_type = "e2e-cost-scorer"
+    category = ScorerCategory.BALANCE
+    consumes = frozenset({PREFIX_MATCH_KEY})
+
+    def __init__(
+        self,
+        name: str,
+        settings: E2eSettings,
+        ttft: Callable[[], TtftModel],
+        ledger: DecodeLedger,
+        lengths: OutputLengths,
+    ) -> None:
+        super().__init__(name)
+        self.settings = settings
+        self._ttft = ttft  # the prefix producer's (`ProducerTtftModel`)
+        self.ledger = ledger
+        self.tpot = ledger.tpot
+        self.lengths = lengths
+
+    @property
+    def ttft(self) -> TtftModel:
+        """The TTFT model this scorer predicts with: the prefix producer's."""
+        return self._ttft()
+
+    @classmethod
+    def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> E2eCostScorer:
+        params = Parameters(parameters)
+        defaults = E2eSettings()
+        settings = E2eSettings(
+            harm_weight=params.number("harmWeight", defaults.harm_weight, at_least=0),
+            default_output_tokens=params.integer("defaultOutputTokens", defaults.default_output_tokens, at_least=1),
+            max_output_tokens=params.integer("maxOutputTokens", defaults.max_output_tokens, at_least=1),
+            session_fields=params.strings("sessionFields", defaults.session_fields),
+            session_header=params.string("sessionHeader", "").lower() or None,
+        )
+        capacity = params.integer("sessionCapacity", 100_000, at_least=1)
+        effective = params.finish()
+        key = f"{_E2E_KEY}:{name}"
+        ledger = handle.persistent(f"{key}/ledger", lambda: DecodeLedger(TpotByBatch()))
+        lengths = handle.persistent(f"{key}/lengths:{capacity}", lambda: OutputLengths(capacity))
+        datastore = handle.datastore
+        if datastore is not None:
+            handle.persistent(
+                f"{key}/listener", lambda: datastore.on_departure(_forgetting(ledger)), datastore.remove_listener
+            )
+        scorer = cls(name, settings, ProducerTtftModel(handle), ledger, lengths)
+        scorer.parameters = effective
+        return scorer
+
+    def expected(self, request: InferenceRequest, cycle_state: CycleState) -> tuple[int, str | None]:
+        """The request's expected output tokens and session name, worked out once per request."""
+        found: tuple[int, str | None] | None = cycle_state.read(_EXPECTED_KEY)
+        if found is None:
+            settings = self.settings
+            session = session_name(request, settings.session_fields, settings.session_header)
+            tokens = self.lengths.expected(request, session, settings.default_output_tokens, settings.max_output_tokens)
+            found = cycle_state[_EXPECTED_KEY] = (tokens, session)
+        return found
+
+    def score(
+        self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
+    ) -> Sequence[float]:
+        tpot = self.tpot
+        if not tpot.learnt:
+            return [1.0] * len(candidates)
+        tokens, _ = self.expected(request, cycle_state)
+        prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
+        ttft, ledger, weight = self.ttft, self.ledger, self.settings.harm_weight
+        ttft_now, now = ttft.clock(), ledger.clock()
+        estimates: list[E2eEstimate] = []
+        alone = math.inf
+        for state, hit in zip(candidates, cached):
+            # Interference weight 1: the prefill's stall summed over the requests running there.
+            first = ttft.estimate(state, prompt_tokens, hit, ttft_now, 1.0)
+            curve = tpot.curve(state.address)
+            alone = min(alone, tokens * curve.seconds(1.0))
+            load = ledger.load(state.address, now)
+            prefill_rate = ttft.prefill_rate(state.address)
+            estimates.append(
+                estimate(curve, load, prefill_rate, tokens, first.seconds, first.interference_seconds, weight)
+            )
+        predicted: dict[str, E2eEstimate] = cycle_state.explain().setdefault(PREDICTED_E2E, {})
+        predicted.update((c.address, e) for c, e in zip(candidates, estimates))
+        return e2e_scores(estimates, alone)
+
+    def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
+        if not result.targets:
+            return
+        target = result.targets[0]
+        tokens, _ = self.expected(request, result.cycle_state)
+        prompt_tokens, (cached,) = prompt_and_cached_tokens(request, result.cycle_state, [target])
+        result.cycle_state[_SENT_KEY] = self.ledger.sent(target.address, tokens, max(0, prompt_tokens - cached))
+
+    def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
+        sent = result.cycle_state.read(_SENT_KEY)
+        if sent is None:
+            return
+        usage = outcome.usage
+        served = 200 <= outcome.status < 300 and outcome.endpoint in ("", sent.address)
+        completion = usage.completion_tokens if served and usage is not None else None
+        life = self.ledger.ended(sent, completion)
+        if completion is None:
+            return
+        _, session = self.expected(request, result.cycle_state)
+        self.lengths.observe(request, session, completion)
+        ttft = outcome.ttft_seconds
+        if request.stream and ttft is not None:
+            share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
+            self.tpot.observe(sent.address, life.mean_batch, share, outcome.duration_seconds - ttft, completion)
+        explain = result.cycle_state.explain()
+        predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
+        explain[OBSERVED_E2E] = {
+            "endpoint": sent.address,
+            "seconds": outcome.duration_seconds,
+            "predicted_seconds": None if predicted is None else predicted.seconds,
+            "completion_tokens": completion,
+            "expected_tokens": sent.expected_tokens,
+            "mean_batch": life.mean_batch,
+        }
+
+
+def _forgetting(ledger: DecodeLedger) -> Callable[[set[str]], None]:
+    """The departure listener: `ledger` and its TPOT model forget endpoints that left."""
+
+    def forget(departed: set[str]) -> None:
+        ledger.forget(departed)
+        ledger.tpot.forget(departed)
+
+    return forget

@@ -87,6 +87,19 @@ class SessionTable:
             del self._entries[key]
 
 
+def session_name(request: InferenceRequest, fields: Sequence[str], header: str | None) -> str | None:
+    """The request's session as its client names it: the `header` (lower-case) when set and
+    present, else the first of the body `fields` present; None without one. Unscoped: callers
+    key what they keep by tenant and model too."""
+    value: object = request.headers.get(header) if header is not None else None
+    body = request.body
+    for name in fields:
+        if value:
+            break
+        value = body.get(name)
+    return value if isinstance(value, str) and value else None
+
+
 class SessionAffinityScorer(Scorer, PreRequest, BackgroundWork):
     """`session-affinity-scorer`: see the module docstring.
 
@@ -150,17 +163,8 @@ class SessionAffinityScorer(Scorer, PreRequest, BackgroundWork):
 
     def session(self, request: InferenceRequest) -> SessionKey | None:
         """The request's session key, scoped by tenant and model; None without one."""
-        value: object = None
-        if self.header is not None:
-            value = request.headers.get(self.header)
-        body = request.body
-        for field in self.fields:
-            if value:
-                break
-            value = body.get(field)
-        if not isinstance(value, str) or not value:
-            return None
-        return (request.tenant, request.target_model, value)
+        name = session_name(request, self.fields, self.header)
+        return None if name is None else (request.tenant, request.target_model, name)
 
     def score(
         self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]

@@ -64,8 +64,18 @@ def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publish
     assert config.subscriber.port is None  # only endpoints whose entry names a kvEventsAddress
 
 
+def test_picker_e2e_is_picker_best_plus_the_completion_time_cost() -> None:
+    best = build(parse_file(CONFIGS / "picker-best.yaml"))
+    loaded = build(parse_file(CONFIGS / "picker-e2e.yaml"))
+    assert _weights(loaded) == {**_weights(best), "e2e-cost-scorer": 3.0}
+    for name in ("approx-prefix-cache-producer", "ttft-cost-scorer"):
+        assert _parameters(loaded, name) == _parameters(best, name)
+    assert _parameters(loaded, "e2e-cost-scorer")["harmWeight"] == 1
+
+
 @pytest.mark.parametrize(
-    "name", ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml", "picker-conversation.yaml"]
+    "name",
+    ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml", "picker-conversation.yaml", "picker-e2e.yaml"],
 )
 def test_config_show_prints_every_effective_parameter_and_loads_back_the_same(name: str) -> None:
     loaded = build(parse_file(CONFIGS / name))
