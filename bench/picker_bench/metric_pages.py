@@ -6,30 +6,9 @@ about ten histograms): roughly 300 lines and 30 KB, most of which the scanner mu
 
 from __future__ import annotations
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+# The engines' latency histograms use the buckets of vLLM's TTFT histogram, as the simulator's.
+from picker_sim.stats import TTFT_BUCKETS
+
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 _REQUEST_SECONDS_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
@@ -156,14 +135,14 @@ def vllm_page(
         (
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            _LATENCY_BUCKETS,
+            TTFT_BUCKETS,
             9435,
             0.21,
         ),
         (
             "vllm:time_per_output_token_seconds",
             "Histogram of time per output token in seconds.",
-            _LATENCY_BUCKETS,
+            TTFT_BUCKETS,
             1211558,
             0.024,
         ),
@@ -243,7 +222,7 @@ def sglang_page(
         "sglang:time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",
         m,
-        _LATENCY_BUCKETS,
+        TTFT_BUCKETS,
         512,
         0.3,
     )
@@ -268,7 +247,7 @@ def trtllm_page(
     lines += _gauge("trtllm_kv_cache_tokens_per_block", "Tokens per KV block.", [(m, float(tokens_per_block))])
     lines += _gauge("trtllm_kv_cache_max_blocks", "Maximum KV blocks.", [(m, float(max_blocks))])
     lines += _gauge("trtllm_kv_cache_hit_rate", "KV cache hit rate.", [(m, 0.3)])
-    lines += _histogram("trtllm_time_to_first_token_seconds", "Time to first token.", m, _LATENCY_BUCKETS, 300, 0.2)
+    lines += _histogram("trtllm_time_to_first_token_seconds", "Time to first token.", m, TTFT_BUCKETS, 300, 0.2)
     return ("\n".join(lines) + "\n").encode()
 
 
