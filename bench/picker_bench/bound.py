@@ -25,7 +25,8 @@ are expected to arrive (`picker_bench.runner.arrival_order`).
 
 The same walk gives a TTFT floor on the simulator: every prompt with its infinite-cache hits,
 prefilled alone on an idle engine. A request's TTFT can only be longer, so no router's TTFT
-percentiles can be lower than the floor's.
+percentiles can be lower than the floor's. The completion-time (E2E) floor adds each answer
+decoded alone on that engine: a batch of one, no other prefill stalling it.
 """
 
 from __future__ import annotations
@@ -214,3 +215,12 @@ def prefill_floor_s(uncached_tokens: int, profile: Profile, time_scale: float, m
     tokens = max(1, uncached_tokens)
     steps = math.ceil(tokens / max_batched_tokens)
     return (steps * profile.step_overhead + tokens * profile.prefill_per_token) / time_scale
+
+
+def decode_floor_s(prompt_tokens: int, output_tokens: int, profile: Profile, time_scale: float) -> float:
+    """The simulated engine's fastest decode of `output_tokens` after the first: one decode step
+    each, alone in the batch, its context growing from the prompt by a token a step."""
+    steps = max(0, output_tokens - 1)
+    context = steps * prompt_tokens + steps * (steps + 1) // 2
+    per_step = profile.step_overhead + profile.decode_per_seq
+    return (steps * per_step + context * profile.context_per_token) / time_scale

@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
         print(
             f"infinite-cache bound {bounds.hit_ratio:.1%}, fleet-cache bound {bounds.fleet_hit_ratio:.1%}, "
             f"LRU fleet {bounds.lru_hit_ratio:.1%}, "
-            f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+            f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}, E2E floor {reports.floor_text(bounds.e2e_floor_s)}"
         )
         return 0
     return execute(plan)

@@ -26,6 +26,7 @@ class BenchReport:
     fleet_bound_hit_ratio: float | None = None  # the fleet's KV capacity, optimal eviction
     lru_bound_hit_ratio: float | None = None  # the fleet's KV capacity as one LRU cache: a reference
     ttft_floor_s: dict[str, float | None] = field(default_factory=dict)  # p50/p90/p99 no router can beat
+    e2e_floor_s: dict[str, float | None] = field(default_factory=dict)  # the same for completion time
     plots: dict[str, str] = field(default_factory=dict)  # plot key -> file name, once written
 
     def to_json(self) -> dict[str, Any]:
@@ -36,6 +37,7 @@ class BenchReport:
             "fleet_bound_hit_ratio": self.fleet_bound_hit_ratio,
             "lru_bound_hit_ratio": self.lru_bound_hit_ratio,
             "ttft_floor_s": self.ttft_floor_s,
+            "e2e_floor_s": self.e2e_floor_s,
             "settings": self.settings,
             "systems": {name: result.to_json() for name, result in self.systems.items()},
             "failures": self.failures,
@@ -51,7 +53,7 @@ def _pct(value: float | None) -> str:
 
 
 def floor_text(floor: dict[str, float | None]) -> str:
-    """`p50/p90/p99 A/B/C ms` of a TTFT floor, or `-` when it was not computed."""
+    """`p50/p90/p99 A/B/C ms` of a TTFT or E2E floor, or `-` when it was not computed."""
     if not floor:
         return "-"
     return "p50/p90/p99 " + "/".join(_ms(floor.get(q)) for q in ("p50", "p90", "p99")) + " ms"
@@ -229,7 +231,8 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
         "",
         (
             f"TTFT floor: **{floor_text(report.ttft_floor_s)}**, every prompt with its infinite-cache hits prefilled "
-            "alone on an idle simulated engine (no router's TTFT percentiles can be lower)."
+            "alone on an idle simulated engine (no router's TTFT percentiles can be lower). E2E floor: "
+            f"**{floor_text(report.e2e_floor_s)}**, each answer then decoded alone on that engine."
         ),
         "",
         "| " + " | ".join(header) + " |",

@@ -15,7 +15,7 @@ import yaml
 from picker_bench import progress as live
 from picker_bench import report as reports
 from picker_bench.attribution import attribute
-from picker_bench.bound import PrefixBound, PromptBlocks, prefill_floor_s
+from picker_bench.bound import PrefixBound, PromptBlocks, decode_floor_s, prefill_floor_s
 from picker_bench.loadgen import LoadOptions, Progress, RequestResult, run_load
 from picker_bench.report import BenchReport
 from picker_bench.stats import SystemResult, percentile, summarize
@@ -55,6 +55,7 @@ class WorkloadBounds:
     fleet_hit_ratio: float  # with the fleet's KV capacity and optimal eviction
     lru_hit_ratio: float  # with the fleet's KV capacity as one LRU cache (a reference, not a bound)
     ttft_floor_s: dict[str, float | None]  # p50/p90/p99 of the infinite-cache, idle-engine TTFT
+    e2e_floor_s: dict[str, float | None]  # ... and completion time, each answer decoded alone
     longest_tokens: int  # the longest prompt plus its output: the fleet's minimum max_model_len
 
 
@@ -90,7 +91,7 @@ def pod_blocks(fleet: FleetOptions) -> int:
 def bounds_of(
     sessions: Sequence[Session], fleet: FleetOptions, blocks: Sequence[Sequence[PromptBlocks]] | None = None
 ) -> WorkloadBounds:
-    """The infinite- and fleet-cache hit ratios, the LRU fleet figure and the TTFT floor of
+    """The infinite- and fleet-cache hit ratios, the LRU fleet figure and the TTFT and E2E floors of
     `sessions` on `fleet`, the prompts taken in arrival order; `blocks` (`prompt_blocks` of the
     same sessions at the fleet's block size) saves cutting the prompts again."""
     if blocks is None:
@@ -99,15 +100,22 @@ def bounds_of(
     profile = get_profile(fleet.profile)
     budget = fleet.max_num_batched_tokens or profile.max_num_batched_tokens
     longest = 0
-    floors = []
+    ttft_floors = []
+    e2e_floors = []
     for index, turn in arrival_order(sessions):
         prompt = blocks[index][turn]
         hit = bound.add_blocks(prompt)
-        floors.append(prefill_floor_s(prompt.tokens - hit, profile, fleet.time_scale, budget))
-        longest = max(longest, prompt.tokens + sessions[index].turns[turn].max_tokens)
-    floor = {f"p{q}": percentile(floors, q) for q in (50, 90, 99)}
+        output = sessions[index].turns[turn].max_tokens
+        ttft = prefill_floor_s(prompt.tokens - hit, profile, fleet.time_scale, budget)
+        ttft_floors.append(ttft)
+        e2e_floors.append(ttft + decode_floor_s(prompt.tokens, output, profile, fleet.time_scale))
+        longest = max(longest, prompt.tokens + output)
+    ttft_floor = {f"p{q}": percentile(ttft_floors, q) for q in (50, 90, 99)}
+    e2e_floor = {f"p{q}": percentile(e2e_floors, q) for q in (50, 90, 99)}
     capacity = fleet.pods * pod_blocks(fleet)
-    return WorkloadBounds(bound.ratio, bound.fleet_ratio(capacity), bound.lru_ratio(capacity), floor, longest)
+    return WorkloadBounds(
+        bound.ratio, bound.fleet_ratio(capacity), bound.lru_ratio(capacity), ttft_floor, e2e_floor, longest
+    )
 
 
 def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
@@ -143,11 +151,13 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
         fleet_bound_hit_ratio=bounds.fleet_hit_ratio,
         lru_bound_hit_ratio=bounds.lru_hit_ratio,
         ttft_floor_s=bounds.ttft_floor_s,
+        e2e_floor_s=bounds.e2e_floor_s,
     )
     log(
         f"workload {plan.workload}: {requests} requests in {len(plan.sessions)} sessions, "
         f"infinite-cache bound {bounds.hit_ratio * 100:.1f}%, fleet-cache bound {bounds.fleet_hit_ratio * 100:.1f}%, "
-        f"LRU fleet {bounds.lru_hit_ratio * 100:.1f}%, TTFT floor {reports.floor_text(bounds.ttft_floor_s)}"
+        f"LRU fleet {bounds.lru_hit_ratio * 100:.1f}%, TTFT floor {reports.floor_text(bounds.ttft_floor_s)}, "
+        f"E2E floor {reports.floor_text(bounds.e2e_floor_s)}"
     )
     try:
         for index, spec in enumerate(plan.systems):

@@ -121,6 +121,8 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
         assert set(system["pods"]) == {"sim-0", "sim-1"}  # from x-inference-pod, through every gateway
         floor = results["ttft_floor_s"]  # a lower bound for every system
         assert 0 < floor["p50"] <= system["ttft_p50_s"] and floor["p99"] <= system["ttft_p99_s"], (name, floor)
+        e2e_floor = results["e2e_floor_s"]  # ... and for completion time, above the TTFT floor
+        assert floor["p50"] < e2e_floor["p50"] <= system["e2e_p50_s"], (name, e2e_floor)
         requests = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
         assert len(requests) == system["requests"] and json.loads(requests[0])["pod"] in system["pods"]
     assert results["systems"]["picker"]["decision_time"]["count"] >= results["systems"]["picker"]["requests"]

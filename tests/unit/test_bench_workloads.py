@@ -13,7 +13,7 @@ import pytest
 from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import token_block_hashes
 from picker_bench import workloads as w
-from picker_bench.bound import PrefixBound, belady_hits, infinite_cache_hit_ratio, prefill_floor_s
+from picker_bench.bound import PrefixBound, belady_hits, decode_floor_s, infinite_cache_hit_ratio, prefill_floor_s
 from picker_bench.runner import bounds_of
 from picker_bench.systems import FleetOptions
 from picker_sim.profiles import get_profile
@@ -324,6 +324,22 @@ def test_ttft_floor_is_each_prompt_prefilled_alone_with_its_infinite_cache_hits(
     assert bounds.ttft_floor_s["p99"] < cold  # one cold prompt in many: it is above the 99th percentile
     assert bounds.ttft_floor_s["p50"] < cold / 10  # the rest prefill their questions only
     assert bounds.longest_tokens == first + 4 and 0.8 < bounds.hit_ratio < 1
+
+
+def test_e2e_floor_adds_each_answer_decoded_alone() -> None:
+    profile = get_profile("llama3-8b-h100")
+    assert decode_floor_s(100, 1, profile, 1.0) == 0.0  # the first token comes from the prefill step
+    step = profile.step_overhead + profile.decode_per_seq
+    assert decode_floor_s(100, 3, profile, 1.0) == pytest.approx(2 * step + (101 + 102) * profile.context_per_token)
+    assert decode_floor_s(100, 3, profile, 4.0) == pytest.approx(decode_floor_s(100, 3, profile, 1.0) / 4)
+    spec = w.SharedPrefixSpec(groups=1, system_prompt_len=2048, question_len=16, output_len=64)
+    sessions = w.shared_prefix(spec, rate=10, duration_s=2, seed=0)
+    bounds = bounds_of(sessions, FleetOptions(pods=1, time_scale=1.0))
+    prompt = len(sessions[1].turns[0].token_ids())
+    for q in ("p50", "p90", "p99"):
+        e2e, ttft = bounds.e2e_floor_s[q], bounds.ttft_floor_s[q]
+        assert e2e is not None and ttft is not None
+        assert e2e == pytest.approx(ttft + decode_floor_s(prompt, 64, profile, 1.0), rel=0.01)
 
 
 def _lru_hits(prompts: list[tuple[list[int], int]], capacity: int) -> int:
