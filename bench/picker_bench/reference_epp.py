@@ -6,11 +6,22 @@ Pod whose status says Running and Ready at a local IP: the pool's target ports a
 ports, one endpoint each (at most 8, the CRD's limit). Its standalone mode
 (`--endpoint-selector`) cannot start in v1.5.0: it requires a pool name that its flag
 validation forbids.
+
+The binary is a build of the Go module `sigs.k8s.io/gateway-api-inference-extension@v1.5.0`,
+whose source tree (charts, docs, test data) the tests also read as an oracle:
+`reference_epp_binary()` builds it once into the binary cache; `python -m picker_bench.reference_epp`
+does so and prints its path.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +29,7 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from picker_bench.kube_cluster import KubeCluster
+from picker_bench.kube_cluster import BIN_DIR, KubeCluster
 from picker_bench.kube_resources import (
     apply_manifests,
     create_pod,
@@ -28,6 +39,8 @@ from picker_bench.kube_resources import (
 )
 from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
 
+REFERENCE_VERSION = "v1.5.0"
+REFERENCE_MODULE = f"sigs.k8s.io/gateway-api-inference-extension@{REFERENCE_VERSION}"
 POD_LABELS = {"app": "bench-backend"}
 NAMESPACE = "default"  # the API server creates it at start
 POOL = "bench"
@@ -35,22 +48,97 @@ CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
 MAX_TARGET_PORTS = 8  # the InferencePool v1 CRD's maxItems
 
 
-class ReferenceEpp:
-    """The control plane and the reference EPP over it; `start()` returns once it serves."""
+class ReferenceUnavailableError(RuntimeError):
+    pass
 
-    def __init__(self, binary: Path, host: str, ports: list[int], tls: bool, log_dir: Path) -> None:
+
+def _go() -> str:
+    go = os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go"
+    if not os.access(go, os.X_OK):
+        raise ReferenceUnavailableError(f"Go is needed to fetch {REFERENCE_MODULE} and is not installed")
+    return go
+
+
+@functools.cache
+def reference_dir() -> Path:
+    """The module's read-only directory in the Go module cache (fetched the first time)."""
+    with tempfile.TemporaryDirectory() as outside_any_module:
+        result = subprocess.run(
+            [_go(), "mod", "download", "-json", REFERENCE_MODULE],
+            cwd=outside_any_module,
+            env={**os.environ, "GOFLAGS": ""},
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+    if result.returncode != 0:
+        raise ReferenceUnavailableError(f"go mod download {REFERENCE_MODULE} failed:\n{result.stdout}{result.stderr}")
+    return Path(json.loads(result.stdout)["Dir"])
+
+
+def reference_epp_binary() -> Path:
+    """The reference EPP's binary in the binary cache (`epp-v1.5.0`), built from its module the
+    first time (a few minutes of CPU on 2 cores, at the lowest priority)."""
+    binary = BIN_DIR / f"epp-{REFERENCE_VERSION}"
+    if os.access(binary, os.X_OK):
+        return binary
+    source = reference_dir()
+    BIN_DIR.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")  # concurrent builds each rename their own
+    # GOWORK=off: the module's go.work names a folder its zip lacks. CGO_ENABLED=0 as its Dockerfile.
+    env = {**os.environ, "GOFLAGS": "", "GOWORK": "off", "CGO_ENABLED": "0"}
+    build = ["build", "-trimpath", "-ldflags", "-s -w", "-o", str(partial), "./cmd/epp"]
+    for args in (["mod", "download"], build):
+        result = subprocess.run(
+            [_go(), *args],
+            cwd=source,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=3600,
+            preexec_fn=functools.partial(os.nice, 19),
+        )
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise ReferenceUnavailableError(f"go {' '.join(args)} in {source} failed:\n{result.stdout}{result.stderr}")
+    partial.replace(binary)
+    return binary
+
+
+class ReferenceEpp:
+    """The control plane and the reference EPP over it; `start()` returns once it serves.
+
+    `config_file` is its EndpointPickerConfig (None: its built-in default); `on_spawn(pid, role)`
+    hears of every process started ("etcd", "kube-apiserver", "reference-epp") the moment it exists;
+    `name` names the EPP's log file.
+    """
+
+    def __init__(
+        self,
+        binary: Path,
+        host: str,
+        ports: list[int],
+        tls: bool,
+        log_dir: Path,
+        config_file: Path | None = None,
+        name: str = "reference-epp",
+        on_spawn: Callable[[int, str], None] | None = None,
+    ) -> None:
         if not os.access(binary, os.X_OK):
             raise FileNotFoundError(f"--reference-epp {binary}: not an executable file")
         if not 1 <= len(ports) <= MAX_TARGET_PORTS:
             raise ValueError(f"the reference EPP takes 1 to {MAX_TARGET_PORTS} target ports, not {len(ports)}")
         self.binary, self.host, self.ports, self.tls, self.log_dir = binary, host, ports, tls, log_dir
-        self.grpc_port = free_port()
+        self.config_file, self.name, self.on_spawn = config_file, name, on_spawn
+        self.grpc_port, self.metrics_port = free_port(), free_port()
         self.cluster: KubeCluster | None = None
         self.process: ManagedProcess | None = None
         self.startup_seconds = float("nan")  # from process start to SERVING, once started
 
     def start(self) -> ReferenceEpp:
-        self.cluster = KubeCluster()
+        self.cluster = KubeCluster(self.on_spawn)
         self.cluster.start()
         new_client: Callable[..., client.ApiClient] = kube_config.new_client_from_config  # untyped upstream
         with new_client(config_file=str(self.cluster.admin_kubeconfig)) as api:
@@ -60,7 +148,7 @@ class ReferenceEpp:
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
             create_pod(api, NAMESPACE, "bench-backend", POD_LABELS)
             set_pod_ready(api, NAMESPACE, "bench-backend", self.host)
-        health, metrics = free_port(), free_port()
+        health = free_port()
         argv = [
             str(self.binary),
             "--pool-name",
@@ -72,7 +160,7 @@ class ReferenceEpp:
             "--grpc-health-port",
             str(health),
             "--metrics-port",
-            str(metrics),
+            str(self.metrics_port),
             f"--secure-serving={str(self.tls).lower()}",
             # pprof's block and mutex profiling cost it about 30% CPU per request; tracing is off in
             # its chart's defaults, and metrics auth would only add TokenReviews at scrape time.
@@ -80,9 +168,15 @@ class ReferenceEpp:
             "--tracing=false",
             "--metrics-endpoint-auth=false",
         ]
+        # Its metric names need no flags (v1.5.0 refuses the old ones): the built-in vLLM engine
+        # config reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as the sim serves.
+        if self.config_file is not None:
+            argv += ["--config-file", str(self.config_file)]
         env = {**os.environ, "KUBECONFIG": str(self.cluster.admin_kubeconfig)}
         started = time.monotonic()
-        self.process = ManagedProcess("reference-epp", argv, self.log_dir, env=env).start()
+        self.process = ManagedProcess(self.name, argv, self.log_dir, env=env).start()
+        if self.on_spawn is not None:
+            self.on_spawn(self.process.pid, "reference-epp")
         self.process.wait_ready(
             lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", self.grpc_port), timeout=60
         )
@@ -94,8 +188,26 @@ class ReferenceEpp:
         assert self.process is not None
         return self.process.pid
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
         if self.cluster is not None:
             self.cluster.stop()
+
+
+def main() -> int:
+    """`python -m picker_bench.reference_epp`: build the binary if it is not cached; print its path."""
+    try:
+        print(reference_epp_binary())
+    except ReferenceUnavailableError as e:
+        print(f"picker_bench.reference_epp: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,11 +14,14 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import yaml
+from kubernetes import client
 
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
 from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.reference_epp import ReferenceEpp
 from picker_bench.stats import DecisionTime, histogram_decision_time
 
 HOST = "127.0.0.1"
@@ -28,7 +31,7 @@ ROUTER_POLICIES = {
     "sglang-round-robin": ("sglang", "round_robin"),
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
 }
-KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, "external")
+KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, "reference-epp", "external")
 # picker[:LABEL]@N[+store]: N replicas behind one Envoy, sharing state through a redis-server
 REPLICAS = re.compile(r"@(?P<replicas>\d+)(?P<store>\+store)?$")
 MAX_REPLICAS = 16
@@ -40,14 +43,21 @@ class SystemSpec:
 
     name: str  # e.g. "round-robin", "picker:approx", "external:http://10.0.0.1:8080"
     kind: str
-    config_file: Path | None = None  # picker systems
+    config_file: Path | None = None  # picker and reference-epp systems (None: the default config)
+    binary: Path | None = None  # reference-epp: the EPP binary
     url: str | None = None  # external systems
     replicas: int = 1  # picker systems: picker processes behind one Envoy
     shared_state: bool = False  # picker systems: the replicas share state through a redis-server
 
 
-def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list[SystemSpec]:
-    """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file."""
+def parse_systems(
+    names: Sequence[str],
+    picker_configs: dict[str, Path],
+    reference_epp: Path | None = None,
+    reference_config: Path | None = None,
+) -> list[SystemSpec]:
+    """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file;
+    `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default)."""
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
@@ -71,6 +81,10 @@ def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list
             raise ValueError(f"{name!r}: only picker systems take @N replicas")
         elif arg:
             raise ValueError(f"{name!r}: only picker:LABEL and external:URL take an argument")
+        elif kind == "reference-epp":
+            if reference_epp is None:
+                raise ValueError(f"{name!r}: no --reference-epp PATH (the reference EPP's binary) given")
+            specs.append(SystemSpec(name, kind, reference_config, binary=reference_epp))
         else:
             specs.append(SystemSpec(name, kind))
     if len({s.name for s in specs}) != len(specs):
@@ -80,21 +94,33 @@ def parse_systems(names: Sequence[str], picker_configs: dict[str, Path]) -> list
     return specs
 
 
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
 class Launcher:
     """Starts processes, records their PIDs in `pids_path`, and stops them all (newest first)."""
 
     def __init__(self, log_dir: Path, pids_path: Path) -> None:
         self.log_dir = log_dir
         self.pids_path = pids_path
-        self.running: list[ManagedProcess] = []
+        self.running: list[Stoppable] = []
 
     def start(self, process: ManagedProcess) -> ManagedProcess:
         """Start `process` and record its PID before anything else can fail."""
         self.running.append(process)
         process.start()
-        with self.pids_path.open("a") as f:
-            f.write(f"{process.pid} {process.name}\n")
+        self.record(process.pid, process.name)
         return process
+
+    def hold(self, processes: Stoppable) -> None:
+        """Stop `processes` (something that starts its own, and `record`s them) with the rest."""
+        self.running.append(processes)
+
+    def record(self, pid: int, name: str) -> None:
+        """Write down a started process's PID."""
+        with self.pids_path.open("a") as f:
+            f.write(f"{pid} {name}\n")
 
     def stop(self) -> None:
         """Stop every process still running, newest first.
@@ -273,6 +299,14 @@ def start_system(
         launcher.start(envoy)
         envoy.wait_ready(envoy.ready)
         return Gateway(envoy.url, tuple(url for _, url in started))
+    if spec.kind == "reference-epp":
+        assert spec.binary is not None
+        reference = start_reference_epp(spec.binary, spec.config_file, pods, launcher, tag)
+        config = picker_config("duplex", listen, (HOST, reference.grpc_port), admin, tls=False)
+        envoy = EnvoyProcess(f"envoy-{tag}", config, log_dir)
+        launcher.start(envoy)
+        envoy.wait_ready(envoy.ready)
+        return Gateway(envoy.url, (reference.metrics_url,))
     if spec.kind in ROUTER_POLICIES:
         router, policy = ROUTER_POLICIES[spec.kind]
         port, prometheus = listen[1], free_port()
@@ -313,6 +347,33 @@ def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[i
     metrics_url = f"http://{HOST}:{metrics}/metrics"
     picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
     return grpc, metrics_url
+
+
+def start_reference_epp(
+    binary: Path, config_file: Path | None, pods: Sequence[FleetPod], launcher: Launcher, tag: str
+) -> ReferenceEpp:
+    """The reference EPP over its own control plane, started and serving: one Pod at the fleet's
+    IP whose InferencePool's target ports are the pods' ports."""
+    hosts_ports = [pod.address.rpartition(":") for pod in pods]
+    hosts = {host for host, _, _ in hosts_ports}
+    if len(hosts) != 1:
+        raise RuntimeError(f"the reference EPP needs the fleet on one IP (one Pod, a port per sim pod), not {hosts}")
+    ports = [int(port) for _, _, port in hosts_ports]
+    reference = ReferenceEpp(
+        binary,
+        hosts.pop(),
+        ports,
+        tls=False,
+        log_dir=launcher.log_dir,
+        config_file=config_file,
+        name=f"reference-epp-{tag}",
+        on_spawn=lambda pid, role: launcher.record(pid, f"{role}-{tag}"),
+    )
+    launcher.hold(reference)
+    try:
+        return reference.start()
+    except client.ApiException as e:  # the API server refused an object: a failed system, not a crash
+        raise RuntimeError(f"the reference EPP's control plane: {e}") from None
 
 
 def start_redis(launcher: Launcher, tag: str) -> str:

@@ -14,8 +14,8 @@ import yaml
 from kubernetes import client
 
 from picker_bench.kube_resources import apply_manifests, wait_crds_established
+from picker_bench.reference_epp import reference_dir
 from tests.e2e.helm_cli import helm
-from tests.reference_epp import reference_dir
 
 PICKER_CHART = Path(__file__).resolve().parents[2] / "charts" / "picker"
 

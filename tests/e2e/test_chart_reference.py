@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 from kubernetes import client
 
 from picker_bench.process import ManagedProcess, free_port, wait_until
+from picker_bench.reference_epp import ReferenceUnavailableError
 from tests.e2e.charts import (
     by_kind,
     chart_image,
@@ -42,7 +43,6 @@ from tests.e2e.charts import (
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
 from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
-from tests.reference_epp import ReferenceUnavailableError
 from tests.stack import health_status
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

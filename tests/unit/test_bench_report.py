@@ -145,6 +145,12 @@ def test_parse_systems() -> None:
         ("picker:approx@3+store", Path("/x.yaml"), 3, True),
         ("picker:approx@2", Path("/x.yaml"), 2, False),
     ]
+    (reference,) = parse_systems(["reference-epp"], {}, Path("/bin/epp"), Path("/ref.yaml"))
+    assert (reference.kind, reference.binary, reference.config_file) == (
+        "reference-epp",
+        Path("/bin/epp"),
+        Path("/ref.yaml"),
+    )
     for bad, message in [
         (["nginx"], "unknown system"),
         (["picker:nolabel"], "no --picker-config"),
@@ -154,6 +160,8 @@ def test_parse_systems() -> None:
         (["round-robin@3"], "only picker systems"),
         (["picker@0"], "replicas must be 1 to 16"),
         (["picker:nolabel@3+store"], "no --picker-config"),
+        (["reference-epp"], "no --reference-epp PATH"),
+        (["reference-epp:x"], "take an argument"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_systems(bad, {})
@@ -170,6 +178,29 @@ def test_parse_systems() -> None:
         (["--systems", "round-robin", "--workload", "multi-turn", "--duration", "0"], "--duration"),
         (["--systems", "picker:a", "--workload", "shared-prefix", "--picker-config", "a=/no/file"], "no such file"),
         (["--workload", "shared-prefix"], "--systems is required"),
+        (["--systems", "reference-epp", "--workload", "shared-prefix"], "no --reference-epp PATH"),
+        (
+            ["--systems", "reference-epp", "--workload", "shared-prefix", "--reference-epp", "/no/epp"],
+            "not an executable",
+        ),
+        (
+            [
+                "--systems",
+                "reference-epp",
+                "--workload",
+                "shared-prefix",
+                "--reference-epp",
+                "/bin/true",
+                "--pods",
+                "9",
+            ],
+            "--pods 9: the reference-epp system takes at most 8 pods",
+        ),
+        (
+            ["--systems", "reference-epp", "--workload", "shared-prefix", "--reference-epp", "/bin/true"]
+            + ["--reference-config", "/no/file"],
+            "--reference-config /no/file: no such file",
+        ),
     ],
 )
 def test_cli_rejects_bad_input_without_a_traceback(argv: list[str], message: str, capsys, tmp_path: Path) -> None:
