@@ -63,7 +63,7 @@ class VirtualTime:
 
 
 async def test_only_uncached_tokens_cost_prefill_time() -> None:
-    slow_prefill = Profile("t", 0.001, 0.0005, 0.0, 0.0, 0.0, 512, 4, 4096)
+    slow_prefill = Profile("t", 0.001, 0.0005, 0.0, 0.0, 0.0, 512, 4, 4096, 4096, 1e9)
     virtual = VirtualTime()
     engine = Engine(
         EngineConfig(profile=slow_prefill, num_gpu_blocks=512, block_size=16, time_scale=1.0),
