@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.discovery.static import parse_endpoint_file
@@ -19,7 +20,7 @@ from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.systems import FleetPod, write_endpoints_file
 from picker_sim.engine import answer_text
 from picker_sim.kvcache import block_hashes
-from tests.sim_fixtures import eventually, start_sim, stop_process
+from tests.sim_fixtures import BlockSetSubscriber, eventually, start_sim, stop_process
 
 BLOCK = 16
 PREFILL_PARAMS = {
@@ -33,19 +34,32 @@ PREFILL_PARAMS = {
 
 
 @contextmanager
-def _pods(args: list[str]) -> Iterator[list[FleetPod]]:
+def _sim(args: list[str]) -> Iterator[list[str]]:
+    """A `picker sim` process with the tiny profile; its pod lines."""
     proc, lines = start_sim(["--base-port", "0", "--profile", "tiny", *args])
     try:
-        yield [FleetPod.parse(line) for line in lines]
+        yield lines
     finally:
         assert stop_process(proc) == 0
 
 
 @pytest.fixture(scope="module")
-def pd_pods() -> Iterator[list[FleetPod]]:
-    """One process: a prefill pod, then two decode pods."""
-    with _pods(["--pd", "1:2"]) as pods:
-        yield pods
+def pd_lines() -> Iterator[list[str]]:
+    """One process: a prefill pod, then two decode pods, each publishing KV events."""
+    with _sim(["--pd", "1:2", "--kv-events-base-port", "0", "--kv-events-replay-base-port", "0"]) as lines:
+        yield lines
+
+
+@pytest.fixture
+def pd_pods(pd_lines: list[str]) -> list[FleetPod]:
+    return [FleetPod.parse(line) for line in pd_lines]
+
+
+@pytest.fixture
+async def zmq_ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.term()
 
 
 @pytest.fixture
@@ -148,6 +162,25 @@ async def test_two_step_flow_answers_as_one_pod_would(pd_pods: list[FleetPod], h
     assert _delta(after_p, before_p, "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
+async def test_decode_pods_kv_events_show_the_received_blocks(pd_lines: list[str], http, zmq_ctx) -> None:
+    prefill, decode = FleetPod.parse(pd_lines[0]), FleetPod.parse(pd_lines[1])
+    words = pd_lines[1].split()
+    replay = words[words.index("replay") + 1]
+    assert decode.kv_events_address
+    subscriber = BlockSetSubscriber(zmq_ctx, decode.kv_events_address, replay)
+    try:
+        prompt = _prompt(6, 5 * BLOCK + 7)
+        params = await _prefill(http, prefill, prompt)
+        status, answer = await _post(http, decode, {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params})
+        assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
+        hashes = block_hashes(prompt, BLOCK)
+        # The decode pod computed none of these blocks: only the transfer can have stored them.
+        await subscriber.sync_until(lambda: set(hashes) <= subscriber.blocks)
+        assert [subscriber.tokens[h] for h in hashes] == [prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(5)]
+    finally:
+        subscriber.close()
+
+
 async def test_decode_pod_fetches_only_what_its_own_cache_lacks(pd_pods: list[FleetPod], http) -> None:
     prefill, decode = pd_pods[0], pd_pods[2]
     shared = _prompt(2, 3 * BLOCK)
@@ -233,8 +266,8 @@ async def test_bad_kv_transfer_params_get_a_400_with_an_openai_error(pd_pods: li
 
 
 async def test_expired_blocks_fall_back_to_a_local_prefill(http) -> None:
-    with _pods(["--pd", "1:1", "--kv-transfer-timeout", "0.3"]) as pods:
-        prefill, decode = pods
+    with _sim(["--pd", "1:1", "--kv-transfer-timeout", "0.3"]) as lines:
+        prefill, decode = (FleetPod.parse(line) for line in lines)
         prompt = _prompt(5, 4 * BLOCK + 1)
         params = await _prefill(http, prefill, prompt)
 
