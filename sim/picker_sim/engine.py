@@ -351,6 +351,12 @@ class Engine:
             n += 1
         return n
 
+    def _unadmit(self, req: Request) -> None:
+        """Undo an admission that found no room: drop the prefix hits the request took."""
+        self.cache.release(req.held, 0)
+        req.held = []
+        req.num_computed = 0
+
     def _first_admission(self, req: Request, now: float) -> None:
         """Count a request's prefix lookups and queueing once, when it is first admitted."""
         stats = self.stats
@@ -503,9 +509,7 @@ class Engine:
                 remote = self._remote_blocks(req, hits) if req.remote_hashes else 0
                 if remote:
                     if not self.cache.allocate(remote):
-                        self.cache.release(req.held, 0)
-                        req.held = []
-                        req.num_computed = 0
+                        self._unadmit(req)
                         break
                     self._first_admission(req, now)
                     self._start_receive(req, hits, remote)
@@ -513,9 +517,7 @@ class Engine:
             need = min(len(req.tokens) - req.num_computed, budget)
             if not self._ensure_blocks(req, req.num_computed + need):
                 if not received:
-                    self.cache.release(req.held, 0)
-                    req.held = []
-                    req.num_computed = 0
+                    self._unadmit(req)
                 break
             self.waiting.popleft()
             running.append(req)
