@@ -19,7 +19,6 @@ from picker.discovery.static import parse_endpoint_file
 from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.systems import FleetPod, write_endpoints_file
 from picker_sim.engine import answer_text
-from picker_sim.kvcache import block_hashes
 from tests.sim_fixtures import BlockSetSubscriber, eventually, start_sim, stop_process
 
 BLOCK = 16
@@ -90,6 +89,11 @@ async def _metrics(http: aiohttp.ClientSession, pod: FleetPod) -> dict[str, floa
     return samples
 
 
+async def _cached(http: aiohttp.ClientSession, pod: FleetPod) -> set[int]:
+    async with http.get(f"http://{pod.address}/sim/cache") as resp:
+        return set((await resp.json())["block_hashes"])
+
+
 async def _prefill(http: aiohttp.ClientSession, pod: FleetPod, prompt: list[int]) -> dict[str, Any]:
     """The sidecar's first step: the prompt with max_tokens 1, not streamed, do_remote_decode."""
     body = {"prompt": prompt, "max_tokens": 1, "max_completion_tokens": 1, "stream": False}
@@ -122,6 +126,7 @@ async def test_two_step_flow_answers_as_one_pod_would(pd_pods: list[FleetPod], h
     prefill, decode = pd_pods[0], pd_pods[1]
     prompt = _prompt(1, 6 * BLOCK + 5)
     before_p, before_d = await _metrics(http, prefill), await _metrics(http, decode)
+    cached_before = await _cached(http, decode)
 
     params = await _prefill(http, prefill, prompt)
     async with http.get(f"http://{prefill.address}/sim/kv") as resp:
@@ -150,10 +155,9 @@ async def test_two_step_flow_answers_as_one_pod_would(pd_pods: list[FleetPod], h
     assert _delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_count") == 1
     assert _delta(after_d, before_d, "vllm:nixl_bytes_transferred_sum") == 6 * BLOCK * 4096  # tiny: 4 KiB/token
     assert _delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_sum") > 0
-    # The received blocks are in the decode pod's cache now, under the prompt's block hashes.
-    async with http.get(f"http://{decode.address}/sim/cache") as resp:
-        cached = set((await resp.json())["block_hashes"])
-    assert set(block_hashes(prompt, BLOCK)) <= cached
+    # The received blocks are in the decode pod's cache now, under the prefill pod's hashes.
+    received = await _cached(http, decode) - cached_before
+    assert len(received) == 6 and received <= await _cached(http, prefill)
     # Taken: the prefill pod unpinned them and counts no expiry.
     async with http.get(f"http://{prefill.address}/sim/kv") as resp:
         assert params["remote_block_ids"] not in (await resp.json())["pinned_block_ids"]
@@ -173,10 +177,9 @@ async def test_decode_pods_kv_events_show_the_received_blocks(pd_lines: list[str
         params = await _prefill(http, prefill, prompt)
         status, answer = await _post(http, decode, {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params})
         assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
-        hashes = block_hashes(prompt, BLOCK)
+        blocks = {tuple(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(5)}
         # The decode pod computed none of these blocks: only the transfer can have stored them.
-        await subscriber.sync_until(lambda: set(hashes) <= subscriber.blocks)
-        assert [subscriber.tokens[h] for h in hashes] == [prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(5)]
+        await subscriber.sync_until(lambda: blocks <= {tuple(t) for t in subscriber.tokens.values()})
     finally:
         subscriber.close()
 

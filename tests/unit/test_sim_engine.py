@@ -9,7 +9,6 @@ import time
 import pytest
 
 from picker_sim.engine import Engine, EngineConfig, EngineError
-from picker_sim.kvcache import block_hashes
 from picker_sim.profiles import Profile, get_profile
 
 FAST = EngineConfig(
@@ -206,18 +205,21 @@ async def test_kv_producer_pins_its_blocks_until_a_consumer_takes_them() -> None
 
 async def test_a_request_aborted_while_its_kv_arrives_frees_every_block() -> None:
     slow_link = dataclasses.replace(get_profile("tiny"), kv_transfer_bandwidth=1.0)
-    engine = Engine(dataclasses.replace(FAST, profile=slow_link, time_scale=1.0))
+    producer, engine = Engine(FAST), Engine(dataclasses.replace(FAST, profile=slow_link, time_scale=1.0))
+    producer.start()
     engine.start()
     try:
         prompt = list(range(200, 230))
+        remote = producer.take_pinned((await _run(producer, prompt, 1, kv_producer=True)).pinned_block_ids)
         await _run(engine, prompt[:9], 1)  # the first 2 blocks are cached here
-        req = engine.submit(prompt, 3, remote_hashes=block_hashes(prompt, FAST.block_size))
+        req = engine.submit(prompt, 3, remote_hashes=remote)
         await _until(lambda: req in engine.receiving)
         assert engine.cache.private == 5  # blocks for the 5 remote ones, beyond the 2 local hits
         engine.abort(req)
         assert req.finish_reason == "abort" and not engine.receiving
         assert engine.cache.private == 0 and engine.cache.available == FAST.num_gpu_blocks
     finally:
+        await producer.stop()
         await engine.stop()
 
 
