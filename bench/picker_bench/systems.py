@@ -19,6 +19,7 @@ from typing import Protocol
 import yaml
 from kubernetes import client
 
+from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
 from picker_bench.process import ManagedProcess, free_port, port_open
 from picker_bench.reference_epp import ReferenceEpp
@@ -195,15 +196,16 @@ class FleetPod:
     name: str
     address: str  # ip:port
     kv_events_address: str | None = None  # tcp://ip:port of its KV-event publisher
+    role: str = "both"  # prefill/decode role, its llm-d.ai/role label
 
     @classmethod
     def parse(cls, line: str) -> FleetPod:
-        """`pod <name> http://<ip>:<port>[ kv-events tcp://...][ replay tcp://...]`."""
+        """`pod <name> http://<ip>:<port>[ kv-events tcp://...][ replay tcp://...][ role <role>]`."""
         words = line.split()
         if len(words) < 3 or words[0] != "pod" or len(words) % 2 == 0:
             raise RuntimeError(f"picker sim printed an unexpected pod line: {line!r}")
         extras = dict(zip(words[3::2], words[4::2]))
-        return cls(words[1], words[2].removeprefix("http://"), extras.get("kv-events"))
+        return cls(words[1], words[2].removeprefix("http://"), extras.get("kv-events"), extras.get("role", "both"))
 
 
 def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[ManagedProcess, list[FleetPod]]:
@@ -217,10 +219,11 @@ def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[Ma
 
 
 def write_endpoints_file(pods: Sequence[FleetPod], path: Path) -> Path:
-    """The `picker serve --endpoints-file` list for `pods`, with each pod's KV-event publisher."""
+    """The `picker serve --endpoints-file` list for `pods`, with each pod's KV-event publisher
+    and its P/D role as the label llm-d's role filters read."""
     entries = []
     for pod in pods:
-        entry = {"address": pod.address, "name": pod.name}
+        entry: dict[str, object] = {"address": pod.address, "name": pod.name, "labels": {ROLE_LABEL: pod.role}}
         if pod.kv_events_address:
             entry["kvEventsAddress"] = pod.kv_events_address
         entries.append(entry)

@@ -23,8 +23,9 @@ Library use (inside a test's event loop)::
 
 `Fleet` is also an async context manager. Modules: `kvcache` (block pool, chained block hashes,
 KV events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
-`events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`. The
-built-in tokenizer is `picker.prefix.builtin_tokenizer`, shared with the router.
+`events` (ZMQ publisher), `kvtransfer` (prefill/decode: vLLM's KV connector protocol), `faults`,
+`pod` (HTTP server), `fleet`, `cli`, `selfbench`. The built-in tokenizer is
+`picker.prefix.builtin_tokenizer`, shared with the router.
 
 A distribution of its own (`sim/`, `picker-sim`), outside the product's wheel and image.
 May import: prefix (picker's built-in tokenizer); picker never imports the simulator.

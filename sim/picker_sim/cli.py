@@ -1,8 +1,9 @@
 """`picker sim`: run a fleet of simulated vLLM pods until SIGTERM/SIGINT.
 
 Once every pod listens it prints, flushed, one line per pod
-`pod <name> http://<ip>:<port>[ kv-events tcp://<ip>:<q>][ replay tcp://<ip>:<r>]`
-and then `ready`.
+`pod <name> http://<ip>:<port>[ kv-events tcp://<ip>:<q>][ replay tcp://<ip>:<r>] role <role>`
+and then `ready`. The role (`prefill`, `decode`, `both`) is what a Kubernetes pod of the fleet
+would carry as its `llm-d.ai/role` label.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uvloop
 from picker_sim.events import FORMATS
 from picker_sim.faults import Faults
 from picker_sim.fleet import Fleet, FleetConfig
+from picker_sim.kvtransfer import ROLES
 from picker_sim.pod import Pod
 from picker_sim.profiles import DEFAULT_PROFILE, PROFILES
 
@@ -43,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="builtin", help="'builtin' or a local Hugging Face tokenizer directory")
     p.add_argument("--max-loras", type=int, default=0, help="adapters resident at once (0 = LoRA off)")
     p.add_argument("--lora-modules", nargs="*", default=[], help="adapter names served besides <model>-lora-*")
+    pd = p.add_argument_group("prefill/decode disaggregation (vLLM's NixlConnector protocol: kv_transfer_params)")
+    pd.add_argument("--role", choices=ROLES, default="both", help="every pod's role (label llm-d.ai/role)")
+    pd.add_argument("--pd", metavar="P:D", help="P prefill pods then D decode pods (instead of --pods and --role)")
+    pd.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=480.0,
+        help="simulated seconds a prefill's blocks stay pinned for pickup (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480)",
+    )
     faults = p.add_argument_group("faults (also switchable at run time: POST /sim/fault)")
     faults.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests that fail")
     faults.add_argument("--error-status", type=int, default=500, help="status of those failures")
@@ -54,8 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _pd_roles(args: argparse.Namespace) -> tuple[str, ...]:
+    """Each pod's role from `--pd P:D` (which then sets the pod count) or `--role`."""
+    if args.pd is None:
+        role: str = args.role
+        pods: int = args.pods
+        return (role,) * pods
+    if args.role != "both":
+        raise ValueError("--pd and --role exclude each other")
+    prefill, sep, decode = args.pd.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit() or int(prefill) + int(decode) < 1:
+        raise ValueError(f"--pd must be P:D, counts of prefill and decode pods, not {args.pd!r}")
+    if args.pods not in (1, int(prefill) + int(decode)):
+        raise ValueError(f"--pods {args.pods} disagrees with --pd {args.pd}")
+    return ("prefill",) * int(prefill) + ("decode",) * int(decode)
+
+
 def config_from_args(args: argparse.Namespace) -> FleetConfig:
     """Validate the parsed flags into a FleetConfig; ValueError with a readable message."""
+    roles = _pd_roles(args)
     if args.pods < 1:
         raise ValueError("--pods must be at least 1")
     try:
@@ -84,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         }
     )
     config = FleetConfig(
-        pods=args.pods,
+        pods=len(roles),
         host=args.host,
         base_port=args.base_port,
         distinct_hosts=args.distinct_hosts,
@@ -103,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         lora_modules=tuple(args.lora_modules),
         tokenizer=args.tokenizer,
         faults=faults,
+        roles=roles,
+        kv_transfer_timeout=args.kv_transfer_timeout,
     )
     config.engine_config()  # validates profile, sizes and time scale
     return config
@@ -115,7 +145,7 @@ def pod_line(pod: Pod) -> str:
         line += f" kv-events {pod.kv_events_endpoint}"
     if pod.kv_replay_endpoint:
         line += f" replay {pod.kv_replay_endpoint}"
-    return line
+    return f"{line} role {pod.role}"
 
 
 async def _serve(config: FleetConfig) -> int:

@@ -9,6 +9,16 @@ then sleeps for the profile's step time divided by `time_scale`, and applies its
 computed tokens, newly full blocks cached, one new token per request that finished its prefill
 or decoded. HTTP handlers wait on a per-request future woken once per step (or, for an
 established stream, receive each token through the request's `on_token` callback).
+
+KV transfer (prefill/decode disaggregation, as vLLM's NixlConnector does it): a request
+submitted as a KV producer (`do_remote_decode`) keeps its full blocks referenced when it
+finishes ("pinned", under consecutive block ids) until a consumer takes them (`take_pinned`)
+or `kv_transfer_timeout` passes (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT). A consumer request
+(`do_remote_prefill`) is submitted with the block hashes the remote engine handed over: at
+admission it takes its local prefix hits, allocates blocks for the remote full blocks that
+continue them, and waits outside the batch (vLLM's WAITING_FOR_REMOTE_KVS) for the profile's
+transfer time; the received blocks then join its cache (BlockStored events) and it computes
+only the rest of the prompt. No remote blocks (expired, unknown) means a local prefill.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from picker.prefix.builtin_tokenizer import encode
 from picker_sim.kvcache import ROOT_HASH, KVCache, KVEvent, block_hashes
@@ -97,6 +107,16 @@ class EngineConfig:
     max_loras: int = 0
     max_model_len: int = 32768
     time_scale: float = 1.0
+    kv_transfer_timeout: float = 480.0  # seconds pinned blocks wait for their consumer
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBlocks:
+    """A finished KV producer's blocks, held for a consumer engine to take."""
+
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    expiry: asyncio.TimerHandle = field(compare=False)
 
 
 class EngineError(Exception):
@@ -115,15 +135,19 @@ class Request:
         "hashes",
         "held",
         "id",
+        "kv_producer",
         "last_token_at",
         "lora",
         "max_tokens",
         "num_cached",
         "num_computed",
+        "num_external",
         "num_output",
         "on_token",
+        "pinned_block_ids",
         "private",
         "prompt_len",
+        "remote_hashes",
         "scheduled_at",
         "stream",
         "tokens",
@@ -166,6 +190,12 @@ class Request:
         # streaming response write its chunk without a task switch per token.
         self.on_token: Callable[[Request], None] | None = None
         self.word_offset = answer_offset(prompt_ids)
+        self.kv_producer = False  # do_remote_decode: pin the blocks for a consumer when finished
+        self.pinned_block_ids: tuple[int, ...] = ()  # what a producer's blocks are pinned as
+        # do_remote_prefill: the block hashes a remote engine holds for this prompt, taken
+        # when the request is first admitted; None for a request without a remote prefill.
+        self.remote_hashes: list[int] | None = None
+        self.num_external = 0  # prompt tokens received from the remote engine
 
     def output_word(self, index: int) -> str:
         """The text of output token `index`."""
@@ -206,6 +236,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.on_events: Callable[[list[KVEvent]], None] | None = None  # the pod's publisher
+        self.receiving: set[Request] = set()  # waiting for their remote KV blocks
+        self.pinned: dict[int, PinnedBlocks] = {}  # by first block id
+        self._next_block_id = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -221,14 +254,18 @@ class Engine:
 
     def abort_all(self) -> None:
         """Finish every request with reason `abort` (crash)."""
-        for req in list(self.running) + list(self.waiting):
+        for req in list(self.running) + list(self.waiting) + list(self.receiving):
             self._finish(req, "abort", self._clock(), record=False)
         self.running.clear()
         self.waiting.clear()
+        self.receiving.clear()
 
     def reset_cache(self) -> None:
         """Crash/restart: abort everything, clear the cache (AllBlocksCleared) and LoRAs."""
         self.abort_all()
+        for pinned in self.pinned.values():
+            pinned.expiry.cancel()
+        self.pinned.clear()
         self.cache.clear()
         self.loaded_loras.clear()
         self._flush_events()
@@ -241,8 +278,11 @@ class Engine:
         lora: str | None = None,
         cache_salt: str | None = None,
         stream: bool = False,
+        kv_producer: bool = False,
+        remote_hashes: list[int] | None = None,
     ) -> Request:
-        """Queue a request; EngineError if it can never fit."""
+        """Queue a request; EngineError if it can never fit. `kv_producer`: pin its blocks for a
+        consumer when it finishes; `remote_hashes`: the blocks a remote prefill holds for it."""
         cfg = self.config
         if not prompt_ids:
             raise EngineError("prompt must not be empty")
@@ -257,6 +297,8 @@ class Engine:
         if -(-(len(prompt_ids) + max_tokens) // cfg.block_size) > cfg.num_gpu_blocks:
             raise EngineError("request needs more KV blocks than the engine has")
         req = Request(next(self._ids), prompt_ids, max_tokens, lora, cache_salt, cfg.block_size, stream, self._clock())
+        req.kv_producer = kv_producer
+        req.remote_hashes = remote_hashes
         self.waiting.append(req)
         self._wake.set()
         return req
@@ -269,7 +311,92 @@ class Engine:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.receiving.discard(req)
         self._finish(req, "abort", self._clock(), record=False)
+
+    def take_pinned(self, block_ids: Sequence[int]) -> list[int] | None:
+        """A consumer takes a producer's pinned blocks: their hashes, now unpinned (they stay
+        cached here like any finished request's); None if `block_ids` name no pinned blocks
+        (expired, taken already, or never pinned)."""
+        pinned = self.pinned.get(block_ids[0]) if block_ids else None
+        if pinned is None or pinned.block_ids != tuple(block_ids):
+            return None
+        del self.pinned[block_ids[0]]
+        pinned.expiry.cancel()
+        self.cache.release(pinned.block_hashes, 0)
+        return list(pinned.block_hashes)
+
+    def _pin(self, req: Request) -> None:
+        first = self._next_block_id
+        ids = tuple(range(first, first + len(req.held)))
+        self._next_block_id += len(ids)
+        delay = self.config.kv_transfer_timeout / self.config.time_scale
+        expiry = asyncio.get_running_loop().call_later(delay, self._expire, first)
+        self.pinned[first] = PinnedBlocks(ids, tuple(req.held), expiry)
+        req.pinned_block_ids = ids
+
+    def _expire(self, first_block_id: int) -> None:
+        pinned = self.pinned.pop(first_block_id, None)
+        if pinned is not None:
+            self.cache.release(pinned.block_hashes, 0)
+            self.stats.kv_expired_reqs += 1
+
+    def _remote_blocks(self, req: Request, hits: int) -> int:
+        """How many of the remote engine's blocks continue `req`'s local prefix hit of `hits`
+        blocks: full prompt blocks only, as NIXL transfers (the last partial one is computed)."""
+        remote = req.remote_hashes or []
+        end = min(req.prompt_len // self.config.block_size, len(remote))
+        n = 0
+        while hits + n < end and remote[hits + n] == req.hashes[hits + n]:
+            n += 1
+        return n
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo an admission that found no room: drop the prefix hits the request took."""
+        self.cache.release(req.held, 0)
+        req.held = []
+        req.num_computed = 0
+
+    def _first_admission(self, req: Request, now: float) -> None:
+        """Count a request's prefix lookups and queueing once, when it is first admitted."""
+        stats = self.stats
+        req.scheduled_at = now
+        stats.prefix_queries += req.prompt_len
+        stats.prefix_hits += req.num_computed
+        stats.queue_time.observe(now - req.arrival)
+        if req.remote_hashes is not None:
+            stats.external_queries += req.prompt_len
+        req.remote_hashes = None
+
+    def _start_receive(self, req: Request, hits: int, blocks: int) -> None:
+        self.waiting.popleft()
+        self.receiving.add(req)
+        req.private += blocks
+        seconds = self.config.profile.transfer_time(blocks * self.config.block_size)
+        asyncio.get_running_loop().call_later(
+            seconds / self.config.time_scale, self._received, req, hits, blocks, seconds
+        )
+
+    def _received(self, req: Request, hits: int, blocks: int, seconds: float) -> None:
+        """The remote blocks arrived: cache them and put the request back at the queue's head."""
+        if req not in self.receiving:
+            return  # aborted meanwhile; its blocks went with it
+        self.receiving.discard(req)
+        bs = self.config.block_size
+        end = hits + blocks
+        new = req.hashes[hits:end]
+        self.cache.commit(new, req.hashes[hits - 1] if hits else None, req.tokens[hits * bs : end * bs], req.lora)
+        req.private -= blocks
+        req.held = req.hashes[:end]
+        req.num_external = blocks * bs
+        req.num_computed = min(end * bs, req.prompt_len - 1)  # the last token is always computed
+        stats = self.stats
+        stats.external_hits += req.num_external
+        stats.kv_transfer_time.observe(seconds)
+        stats.kv_bytes_transferred.observe(req.num_external * self.config.profile.kv_bytes_per_token)
+        self.waiting.appendleft(req)
+        self._wake.set()
+        self._flush_events()
 
     # -- the step loop --------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -368,30 +495,36 @@ class Engine:
             else:
                 prefill_tokens += need
             i += 1
-        stats = self.stats
         now = self._clock()
         while self.waiting and not preempted and len(running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if req.lora is not None and not self._lora_ready(req.lora):
                 break
-            hits = self.cache.cached_prefix(req.hashes[: (len(req.tokens) - 1) // cfg.block_size])
-            self.cache.acquire(req.hashes[:hits])
-            req.held = req.hashes[:hits]
-            req.num_computed = hits * cfg.block_size
+            received = bool(req.held)  # back from a KV transfer, holding its blocks
+            if not received:
+                hits = self.cache.cached_prefix(req.hashes[: (len(req.tokens) - 1) // cfg.block_size])
+                self.cache.acquire(req.hashes[:hits])
+                req.held = req.hashes[:hits]
+                req.num_computed = hits * cfg.block_size
+                remote = self._remote_blocks(req, hits) if req.remote_hashes else 0
+                if remote:
+                    if not self.cache.allocate(remote):
+                        self._unadmit(req)
+                        break
+                    self._first_admission(req, now)
+                    self._start_receive(req, hits, remote)
+                    continue
             need = min(len(req.tokens) - req.num_computed, budget)
             if not self._ensure_blocks(req, req.num_computed + need):
-                self.cache.release(req.held, 0)
-                req.held = []
-                req.num_computed = 0
+                if not received:
+                    self._unadmit(req)
                 break
             self.waiting.popleft()
             running.append(req)
             if req.num_cached < 0:
+                if not received:
+                    self._first_admission(req, now)
                 req.num_cached = req.num_computed
-                req.scheduled_at = now
-                stats.prefix_queries += req.prompt_len
-                stats.prefix_hits += req.num_computed
-                stats.queue_time.observe(now - req.arrival)
             scheduled.append((req, need))
             budget -= need
             context += req.num_computed
@@ -443,7 +576,11 @@ class Engine:
     def _finish(self, req: Request, reason: str, now: float, record: bool) -> None:
         req.finish_reason = reason
         req.finished_at = now
-        self.cache.release(req.held, req.private)
+        if req.kv_producer and reason == "length" and req.held:
+            self.cache.release((), req.private)  # the held blocks stay referenced: pinned
+            self._pin(req)
+        else:
+            self.cache.release(req.held, req.private)
         req.held = []
         req.private = 0
         if record:

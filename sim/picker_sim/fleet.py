@@ -10,6 +10,7 @@ import zmq.asyncio
 from picker.prefix.builtin_tokenizer import Tokenizer, load_tokenizer
 from picker_sim.engine import EngineConfig
 from picker_sim.faults import Faults
+from picker_sim.kvtransfer import ROLES
 from picker_sim.pod import Pod
 from picker_sim.profiles import DEFAULT_PROFILE, get_profile
 
@@ -38,6 +39,12 @@ class FleetConfig:
     tokenizer: str = "builtin"
     faults: Faults = field(default_factory=Faults)
     name_prefix: str = "sim"
+    roles: tuple[str, ...] = ()  # pod i's P/D role; () = every pod `both`
+    kv_transfer_timeout: float = 480.0  # seconds a prefill's pinned blocks wait for pickup
+
+    def role(self, i: int) -> str:
+        """Pod i's prefill/decode role."""
+        return self.roles[i] if self.roles else "both"
 
     def engine_config(self) -> EngineConfig:
         profile = get_profile(self.profile)
@@ -45,6 +52,12 @@ class FleetConfig:
             raise ValueError("time_scale must be positive")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if self.roles and len(self.roles) != self.pods:
+            raise ValueError(f"{len(self.roles)} roles for {self.pods} pods")
+        if unknown := set(self.roles) - set(ROLES):
+            raise ValueError(f"unknown roles {sorted(unknown)}; known: {', '.join(ROLES)}")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError("kv_transfer_timeout must be positive")
         return EngineConfig(
             profile=profile,
             num_gpu_blocks=self.num_gpu_blocks or profile.num_gpu_blocks,
@@ -54,6 +67,7 @@ class FleetConfig:
             max_loras=self.max_loras,
             max_model_len=self.max_model_len,
             time_scale=self.time_scale,
+            kv_transfer_timeout=self.kv_transfer_timeout,
         )
 
 
@@ -99,6 +113,7 @@ class Fleet:
                     kv_events_format=cfg.kv_events_format,
                     lora_modules=cfg.lora_modules,
                     faults=Faults(**cfg.faults.as_dict()),
+                    role=cfg.role(i),
                 )
                 self.pods.append(pod)
                 await pod.start()

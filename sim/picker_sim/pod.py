@@ -5,8 +5,13 @@ Routes: POST /v1/completions, /v1/chat/completions (SSE streaming or not), GET /
 SGLang probes (/server_info, /model_info, /get_server_info, /get_model_info), and the admin API:
 GET|POST /sim/fault (JSON partial update of `Faults`), POST /sim/crash ({"down_seconds": s}:
 the pod stops listening, loses its cache with AllBlocksCleared, and comes back after s
-seconds), GET /sim/cache (the cached block hashes). Every response carries
-`x-inference-pod` and `x-inference-address`.
+seconds), GET /sim/cache (the cached block hashes), GET /sim/kv (role, engine id, pinned
+blocks) and POST /sim/kv/pull (a decode pod takes pinned blocks: `kvtransfer`). Every response
+carries `x-inference-pod` and `x-inference-address`.
+
+Prefill/decode: a pod has a role (`prefill`, `decode` or `both`, llm-d's `llm-d.ai/role` label,
+also SGLang's `disaggregation_mode` in /server_info); every role speaks vLLM's KV connector
+protocol (`kv_transfer_params`, see `kvtransfer`), as a vLLM with NixlConnector in `kv_both`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import random
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -27,6 +33,16 @@ from picker.prefix.builtin_tokenizer import Tokenizer
 from picker_sim.engine import Engine, EngineConfig, EngineError, Request
 from picker_sim.events import KVEventPublisher
 from picker_sim.faults import FORCE_ERROR_HEADER, Faults
+from picker_sim.kvtransfer import (
+    PULL_PATH,
+    ROLES,
+    BlockFetcher,
+    KVTransferParams,
+    RemotePrefill,
+    block_id_list,
+    parse_kv_transfer_params,
+    producer_params,
+)
 from picker_sim.stats import render_metrics
 
 log = logging.getLogger(__name__)
@@ -100,8 +116,14 @@ class Pod:
         kv_events_format: str = "positional",
         lora_modules: tuple[str, ...] = (),
         faults: Faults | None = None,
+        role: str = "both",
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self.name = name
+        self.role = role
+        self.engine_id = str(uuid.uuid4())  # as vLLM's, new each start of the process
+        self._fetcher = BlockFetcher()
         self.host = host
         self.port = port
         self.model = model
@@ -175,6 +197,7 @@ class Pod:
             task.cancel()
         await self.engine.stop()
         await self._close_http()
+        await self._fetcher.close()
         if self.publisher is not None:
             await self.publisher.close()
 
@@ -216,6 +239,8 @@ class Pod:
         r.add_post("/sim/fault", self._set_fault)
         r.add_post("/sim/crash", self._crash)
         r.add_get("/sim/cache", self._cache)
+        r.add_get("/sim/kv", self._kv_state)
+        r.add_post(PULL_PATH, self._kv_pull)
         return app
 
     async def _add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -314,8 +339,13 @@ class Pod:
         if salt is not None and not isinstance(salt, str):
             raise HTTPError(400, "cache_salt must be a string")
         stream = body.get("stream") is True
+        kv = self._kv_transfer_params(body)
+        remote_hashes = None
+        if kv is not None and kv.remote_prefill is not None:
+            remote_hashes = await self._fetch_remote_blocks(kv.remote_prefill)
+        producer = kv is not None and kv.do_remote_decode
         try:
-            req = self.engine.submit(ids, max_tokens, lora, salt, stream)
+            req = self.engine.submit(ids, max_tokens, lora, salt, stream, producer, remote_hashes)
         except EngineError as exc:
             raise HTTPError(400, str(exc)) from None
         try:
@@ -330,6 +360,28 @@ class Pod:
             return _json(self._full_response(req, model, chat))
         finally:
             self.engine.abort(req)  # no-op once finished; frees seat and blocks if the client left
+
+    @staticmethod
+    def _kv_transfer_params(body: dict[str, Any]) -> KVTransferParams | None:
+        try:
+            return parse_kv_transfer_params(body.get("kv_transfer_params"))
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+    async def _fetch_remote_blocks(self, remote: RemotePrefill) -> list[int]:
+        """The remote prefill's block hashes; none (a local prefill, as vLLM falls back to) when
+        the remote does not have them any more."""
+        if not remote.block_ids:
+            return []  # a prompt shorter than a block: nothing was pinned, nothing to fetch
+        hashes = await self._fetcher.fetch(remote)
+        if hashes is None:
+            self.engine.stats.failed_transfers += 1
+            log.warning("pod %s: remote blocks from %s unavailable, prefilling locally", self.name, remote.engine_id)
+            return []
+        return hashes
+
+    def _request_id(self, req: Request, chat: bool) -> str:
+        return f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{req.id}"
 
     @staticmethod
     def _usage(req: Request) -> dict[str, Any]:
@@ -358,14 +410,20 @@ class Pod:
                 "finish_reason": req.finish_reason,
                 "stop_reason": None,
             }
-        return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{req.id}",
+        request_id = self._request_id(req, chat)
+        response = {
+            "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": model,
             "choices": [choice],
             "usage": self._usage(req),
         }
+        if req.kv_producer:
+            response["kv_transfer_params"] = producer_params(
+                self.engine_id, req.pinned_block_ids, request_id, self.host, self.port
+            )
+        return response
 
     async def _stream(
         self, request: web.Request, req: Request, model: str, chat: bool, include_usage: bool
@@ -377,7 +435,7 @@ class Pod:
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{req.id}",
+            "id": self._request_id(req, chat),
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": model,
@@ -532,6 +590,7 @@ class Pod:
                 "max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size,
                 "max_running_requests": cfg.max_num_seqs,
                 "chunked_prefill_size": cfg.max_num_batched_tokens,
+                "disaggregation_mode": "null" if self.role == "both" else self.role,
                 "dp_size": 1,
                 "tp_size": 1,
                 "version": "picker-sim",
@@ -584,3 +643,23 @@ class Pod:
 
     async def _cache(self, request: web.Request) -> web.Response:
         return _json({"block_hashes": sorted(self.engine.cache.refs)})
+
+    async def _kv_state(self, request: web.Request) -> web.Response:
+        pinned = [list(p.block_ids) for p in self.engine.pinned.values()]
+        return _json({"role": self.role, "engine_id": self.engine_id, "pinned_block_ids": pinned})
+
+    async def _kv_pull(self, request: web.Request) -> web.Response:
+        """A decode pod takes pinned blocks: 200 with their hashes, 404 if they are gone."""
+        try:
+            body = await self._body(request)
+        except HTTPError as exc:
+            return error_response(exc.status, exc.message)
+        engine_id, block_ids = body.get("remote_engine_id"), block_id_list(body.get("remote_block_ids"))
+        if block_ids is None:
+            return error_response(400, "remote_block_ids must be a list of non-negative integers")
+        if engine_id != self.engine_id:
+            return error_response(404, f"engine {engine_id!r} is not this pod's ({self.engine_id})")
+        hashes = self.engine.take_pinned(block_ids)
+        if hashes is None:
+            return error_response(404, "no pinned blocks with these ids (expired or taken)")
+        return _json({"block_hashes": hashes})

@@ -5,6 +5,9 @@ step = step_overhead
      + decode_seqs     x decode_per_seq
      + context_tokens  x context_per_token   (KV read by attention, all running sequences)
 
+A KV transfer between engines (prefill/decode disaggregation, vLLM's NixlConnector) takes
+tokens x kv_bytes_per_token / kv_transfer_bandwidth, overlapping the engine's steps.
+
 Sources and derivations:
 
 * `llama3-8b-h100` (Llama-3.1-8B BF16, one H100 SXM 80 GB):
@@ -17,13 +20,17 @@ Sources and derivations:
   - context_per_token 0.039 us: Llama-3-8B keeps 128 KiB of KV per token (32 layers x 8 KV
     heads x 128 dims x K,V x 2 bytes), read once per step at 3.35 TB/s.
   - KV capacity: (80 GB x 0.9 - 16 GB weights) / 128 KiB ~ 427k tokens -> 26,700 blocks of 16.
+  - KV transfer: NIXL reads the prefill GPU's blocks over one 400 Gb/s RDMA NIC (ConnectX-7,
+    ~50 GB/s): 1,000 tokens (128 MB) in ~2.6 ms.
 * `llama3-70b-h100-tp4` (Llama-3.1-70B BF16, 4 x H100, tensor parallel): 140 GB of weights over
   4 x 3.35 TB/s -> ~10.5 ms + all-reduce overhead -> ~25 ms ITL, inside the 25-40 ms that
   llm-d-inference-sim quotes for 70B TP4/H100; prefill ~4,000 tokens/s (2 x 70e9 FLOP/token at
   ~560 TFLOP/s over 4 GPUs); KV 320 KiB/token (80 layers x 8 heads x 128 x 2 x 2 B), split over
   4 GPUs; capacity (320 GB x 0.9 - 140 GB) / 320 KiB ~ 460k tokens (llm-d's benchmark measured
-  461,376 tokens per pod, peers.md §9) -> 28,800 blocks.
-* `tiny`: a toy profile for tests (1 ms steps, fast prefill, 512 blocks).
+  461,376 tokens per pod, peers.md §9) -> 28,800 blocks. KV transfer: each of the 4 GPUs reads
+  its shard over its own 400 Gb/s NIC, 4 x 50 GB/s.
+* `tiny`: a toy profile for tests (1 ms steps, fast prefill, 512 blocks, 4 KiB of KV per token
+  over 1 GB/s: 1,000 tokens transfer in ~4 ms).
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ class Profile:
     num_gpu_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv_bytes_per_token: int  # the model's KV cache per token, all layers, K and V
+    kv_transfer_bandwidth: float  # bytes per second between two engines' KV caches
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         """Simulated seconds one engine step takes."""
@@ -53,6 +62,10 @@ class Profile:
             + decode_seqs * self.decode_per_seq
             + context_tokens * self.context_per_token
         )
+
+    def transfer_time(self, tokens: int) -> float:
+        """Simulated seconds moving `tokens` tokens of KV cache from one engine to another."""
+        return tokens * self.kv_bytes_per_token / self.kv_transfer_bandwidth
 
 
 PROFILES: dict[str, Profile] = {
@@ -68,6 +81,8 @@ PROFILES: dict[str, Profile] = {
             num_gpu_blocks=26_700,
             max_num_seqs=256,
             max_num_batched_tokens=8192,
+            kv_bytes_per_token=131_072,
+            kv_transfer_bandwidth=50e9,
         ),
         Profile(
             name="llama3-70b-h100-tp4",
@@ -79,6 +94,8 @@ PROFILES: dict[str, Profile] = {
             num_gpu_blocks=28_800,
             max_num_seqs=256,
             max_num_batched_tokens=8192,
+            kv_bytes_per_token=327_680,
+            kv_transfer_bandwidth=200e9,
         ),
         Profile(
             name="tiny",
@@ -90,6 +107,8 @@ PROFILES: dict[str, Profile] = {
             num_gpu_blocks=512,
             max_num_seqs=16,
             max_num_batched_tokens=2048,
+            kv_bytes_per_token=4096,
+            kv_transfer_bandwidth=1e9,
         ),
     )
 }

@@ -82,6 +82,9 @@ REQUEST_LATENCY_BUCKETS = (
     1920.0,
     7680.0,
 )
+# vLLM's NixlPromMetrics: transfer seconds, and bytes per transfer from 2 KiB to 8 GiB.
+KV_TRANSFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+KV_TRANSFER_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -116,10 +119,19 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        # Where finished requests' prompt tokens came from: computed here, this engine's prefix
+        # cache, or a remote prefill's KV transfer.
+        self.prompt_by_source: dict[str, int] = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_preemptions = 0
+        self.external_queries = 0  # prompt tokens of requests with a remote prefill
+        self.external_hits = 0  # prompt tokens received from a remote engine
+        self.failed_transfers = 0  # remote prefills whose blocks could not be fetched
+        self.kv_expired_reqs = 0  # pinned blocks no consumer took in time (producer side)
+        self.kv_transfer_time = Histogram(KV_TRANSFER_TIME_BUCKETS)
+        self.kv_bytes_transferred = Histogram(KV_TRANSFER_BYTES_BUCKETS)
         self.success: dict[str, int] = {"length": 0, "stop": 0, "abort": 0}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -134,6 +146,12 @@ class EngineStats:
     def record_finished(self, req: Request, now: float) -> None:
         self.success[req.finish_reason or "stop"] = self.success.get(req.finish_reason or "stop", 0) + 1
         self.prompt_tokens += req.prompt_len
+        cached = max(req.num_cached, 0)
+        external = min(req.num_external, cached)
+        by_source = self.prompt_by_source
+        by_source["local_compute"] += req.prompt_len - cached
+        by_source["local_cache_hit"] += cached - external
+        by_source["external_kv_transfer"] += external
         self.generation_tokens += req.num_output
         self.e2e.observe(now - req.arrival)
         self.inference_time.observe(now - req.scheduled_at)
@@ -177,9 +195,36 @@ def render_metrics(engine: Engine, model: str) -> str:
         "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_queries
     )
     counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits)
+    counter(
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, "
+        "in terms of number of queried tokens.",
+        s.external_queries,
+    )
+    counter(
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, "
+        "in terms of number of cached tokens.",
+        s.external_hits,
+    )
+    counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.", s.failed_transfers)
+    counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire.", s.kv_expired_reqs)
     counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
     counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
     counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+    counter(
+        "vllm:prompt_tokens_cached",
+        "Number of cached prompt tokens (local prefix cache and KV connector).",
+        s.prompt_by_source["local_cache_hit"] + s.prompt_by_source["external_kv_transfer"],
+    )
+    by_source = "\n".join(
+        f'vllm:prompt_tokens_by_source_total{{{lab},source="{source}"}} {n}'
+        for source, n in sorted(s.prompt_by_source.items())
+    )
+    out.append(
+        "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n"
+        f"# TYPE vllm:prompt_tokens_by_source_total counter\n{by_source}"
+    )
     success = "\n".join(
         f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {n}' for reason, n in sorted(s.success.items())
     )
@@ -197,6 +242,14 @@ def render_metrics(engine: Engine, model: str) -> str:
     histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", s.decode_time)
     histogram(
         "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", s.inference_time
+    )
+    histogram(
+        "vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.", s.kv_transfer_time
+    )
+    histogram(
+        "vllm:nixl_bytes_transferred",
+        "Histogram of bytes transferred per NIXL KV Cache transfers.",
+        s.kv_bytes_transferred,
     )
     histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", s.prompt_hist)
     histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", s.generation_hist)

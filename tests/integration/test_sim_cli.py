@@ -9,7 +9,7 @@ import urllib.request
 
 from tests.sim_fixtures import start_sim, stop_process
 
-LINE = re.compile(r"^pod (\S+) http://([\d.]+):(\d+)(?: kv-events tcp://([\d.]+):(\d+))?$")
+LINE = re.compile(r"^pod (\S+) http://([\d.]+):(\d+)(?: kv-events tcp://([\d.]+):(\d+))? role both$")
 
 
 def _get(url: str) -> tuple[int, dict[str, str], bytes]:
@@ -56,7 +56,7 @@ def test_distinct_hosts_put_each_pod_on_its_own_address() -> None:
         ips = [LINE.match(line).group(2) for line in lines]  # type: ignore[union-attr]
         assert ips == ["127.0.0.11", "127.0.0.12"]
         for line in lines:
-            _, _, url = line.split()
+            url = line.split()[2]
             assert _get(url + "/health")[0] == 200
     finally:
         assert stop_process(proc) == 0

@@ -63,7 +63,7 @@ class VirtualTime:
 
 
 async def test_only_uncached_tokens_cost_prefill_time() -> None:
-    slow_prefill = Profile("t", 0.001, 0.0005, 0.0, 0.0, 0.0, 512, 4, 4096)
+    slow_prefill = Profile("t", 0.001, 0.0005, 0.0, 0.0, 0.0, 512, 4, 4096, 4096, 1e9)
     virtual = VirtualTime()
     engine = Engine(
         EngineConfig(profile=slow_prefill, num_gpu_blocks=512, block_size=16, time_scale=1.0),
@@ -172,3 +172,67 @@ def test_requests_that_can_never_fit_are_rejected() -> None:
         Engine(EngineConfig(profile=get_profile("tiny"), num_gpu_blocks=2, block_size=4)).submit(list(range(8)), 4)
     with pytest.raises(EngineError, match="empty"):
         engine.submit([], 4)
+
+
+async def _until(condition, deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, "condition not met before the deadline"
+        await asyncio.sleep(0.005)  # poll interval, not a fixed wait
+
+
+async def test_kv_producer_pins_its_blocks_until_a_consumer_takes_them() -> None:
+    producer, consumer = Engine(FAST), Engine(FAST)
+    producer.start()
+    consumer.start()
+    try:
+        prompt = list(range(100, 130))  # 7 full blocks of 4, and 2 tokens
+        done = await _run(producer, prompt, 1, kv_producer=True)
+        assert len(done.pinned_block_ids) == 7
+        assert producer.cache.available == FAST.num_gpu_blocks - 7  # pinned: not evictable
+        hashes = producer.take_pinned(done.pinned_block_ids)
+        assert hashes == done.hashes[:7] and producer.take_pinned(done.pinned_block_ids) is None
+        assert producer.cache.available == FAST.num_gpu_blocks
+
+        req = await _run(consumer, prompt, 3, remote_hashes=hashes)
+        assert (req.num_external, req.num_cached, req.num_output) == (28, 28, 3)
+        assert consumer.stats.external_hits == 28 and consumer.stats.kv_transfer_time.count == 1
+        assert set(hashes) <= set(consumer.cache.refs)  # received blocks are cached here now
+    finally:
+        await producer.stop()
+        await consumer.stop()
+
+
+async def test_a_request_aborted_while_its_kv_arrives_frees_every_block() -> None:
+    slow_link = dataclasses.replace(get_profile("tiny"), kv_transfer_bandwidth=1.0)
+    producer, engine = Engine(FAST), Engine(dataclasses.replace(FAST, profile=slow_link, time_scale=1.0))
+    producer.start()
+    engine.start()
+    try:
+        prompt = list(range(200, 230))
+        remote = producer.take_pinned((await _run(producer, prompt, 1, kv_producer=True)).pinned_block_ids)
+        await _run(engine, prompt[:9], 1)  # the first 2 blocks are cached here
+        req = engine.submit(prompt, 3, remote_hashes=remote)
+        await _until(lambda: req in engine.receiving)
+        assert engine.cache.private == 5  # blocks for the 5 remote ones, beyond the 2 local hits
+        engine.abort(req)
+        assert req.finish_reason == "abort" and not engine.receiving
+        assert engine.cache.private == 0 and engine.cache.available == FAST.num_gpu_blocks
+    finally:
+        await producer.stop()
+        await engine.stop()
+
+
+async def test_pinned_blocks_expire_and_a_reset_forgets_them() -> None:
+    engine = Engine(dataclasses.replace(FAST, kv_transfer_timeout=0.05, time_scale=1.0))
+    engine.start()
+    try:
+        done = await _run(engine, list(range(300, 320)), 1, kv_producer=True)
+        await _until(lambda: not engine.pinned)
+        assert engine.stats.kv_expired_reqs == 1 and engine.take_pinned(done.pinned_block_ids) is None
+        assert engine.cache.available == FAST.num_gpu_blocks
+        await _run(engine, list(range(400, 420)), 1, kv_producer=True)
+        engine.reset_cache()
+        assert not engine.pinned and engine.cache.available == FAST.num_gpu_blocks
+    finally:
+        await engine.stop()
