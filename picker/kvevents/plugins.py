@@ -17,6 +17,12 @@ Parameters (llm-d's names where they exist):
   topic (`kv@<pod>@<model>`) names none.
 - `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
   block size, the producer's hashes are used as they are, else re-hashed from the token ids.
+- `prefixCachingHashAlgo` ("own"): "own" keys blocks by the picker's own hashes, mapped from
+  the engines' through the events' token ids, whatever the engines' algorithm; `sha256_cbor` or
+  `sha256` (vLLM's `--prefix-caching-hash-algo`) keys them by the engines' hashes as sent and
+  hashes each request that way (`picker.kvevents.vllm_hash`), with `hashSeed` (llm-d's name;
+  "vllm-none-hash", vLLM's default, unless the engines set `PYTHONHASHSEED`) and
+  `blockSizeTokens` equal to the engines'. A prefix's digests are computed once and cached.
 - `tierWeights` ({gpu: 1.0, cpu: 0.8}), `speculativeTTL` ("2s"; 0 disables predictions),
   `speculativeHold` ("60s": the longest a prediction waits for its request to end; 0 counts
   `speculativeTTL` from the pick, which forgot prefixes queued at a busy engine),
@@ -24,8 +30,8 @@ Parameters (llm-d's names where they exist):
   scraped), `replayTimeout` ("1s").
 
 The index and subscriber are the scorer's own and outlive reloads by its name (two scorers by
-different names keep separate ones). A reload that keeps `blockSizeTokens` and the publishers'
-settings (`kvEventsPort`, `kvEventsReplayPort`, `topicFilter`, `modelName`) keeps the warm index
+different names keep separate ones). A reload that keeps `blockSizeTokens`, the hash settings
+and the publishers' settings (`kvEventsPort`, `kvEventsReplayPort`, `topicFilter`, `modelName`) keeps the warm index
 and applies the rest to it once the config is installed; one that changes them builds a new index
 and subscriber, which replace the old ones (closed then) once the config is installed.
 """
@@ -53,10 +59,12 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.kvevents.precise import PreciseIndex, Prediction, TierWeights
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
 from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
 from picker.prefix.prompt_blocks import TOKENS
 
+OWN_HASHES = "own"
 _RUNTIME_KEY = "kvevents/precise-index"  # + ":" + the scorer's name (`Handle.persistent`)
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
@@ -75,6 +83,8 @@ class PreciseConfig:
     speculative_hold: float = 60.0
     capacity: int = 200_000
     auto_tune: bool = True
+    hash_algorithm: str = OWN_HASHES  # or the engines' (`vllm_hash.ALGORITHMS`)
+    hash_seed: str = DEFAULT_SEED
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> tuple[PreciseConfig, dict[str, Any]]:
@@ -104,6 +114,8 @@ class PreciseConfig:
             speculative_hold=p.duration("speculativeHold", 60.0),
             capacity=p.integer("capacityPerEndpoint", 200_000, at_least=1),
             auto_tune=p.boolean("autoTune", True),
+            hash_algorithm=p.string("prefixCachingHashAlgo", OWN_HASHES, choices=(OWN_HASHES, *ALGORITHMS)),
+            hash_seed=p.string("hashSeed", DEFAULT_SEED),
         )
         return config, p.finish()
 
@@ -117,10 +129,17 @@ def _weight(value: Any, tier: str) -> float:
 class PreciseRuntime:
     """An index and the subscriber that feeds it (none without a datastore)."""
 
-    def __init__(self, config: PreciseConfig, index: PreciseIndex, subscriber: KVEventSubscriber | None) -> None:
+    def __init__(
+        self,
+        config: PreciseConfig,
+        index: PreciseIndex,
+        subscriber: KVEventSubscriber | None,
+        hasher: VllmBlockHasher | None = None,
+    ) -> None:
         self.config = config
         self.index = index
         self.subscriber = subscriber
+        self.hasher = hasher  # requests' engine keys, with `prefixCachingHashAlgo`
 
     @classmethod
     def build(cls, config: PreciseConfig, datastore: Datastore | None) -> PreciseRuntime:
@@ -130,17 +149,23 @@ class PreciseRuntime:
             weights=config.weights,
             speculative_ttl=config.speculative_ttl,
             default_capacity=config.capacity,
+            engine_keys=config.hash_algorithm != OWN_HASHES,
         )
         subscriber = None if datastore is None else KVEventSubscriber(index, datastore, config.subscriber)
-        return cls(config, index, subscriber)
+        if config.hash_algorithm == OWN_HASHES:
+            return cls(config, index, subscriber)
+        return cls(config, index, subscriber, VllmBlockHasher(config.hash_algorithm, config.hash_seed))
 
     def serves(self, config: PreciseConfig) -> bool:
-        """Whether this index and subscriber are right for `config`: the same block size (the
-        index's keys) and the same publishers, topic and model (what its entries came from);
-        everything else `reconfigure` applies in place."""
-        return config.block_size == self.config.block_size and self.config.subscriber == replace(
-            config.subscriber, replay_timeout=self.config.subscriber.replay_timeout
-        )
+        """Whether this index and subscriber are right for `config`: the same block size and
+        hashing (the index's keys) and the same publishers, topic and model (what its entries
+        came from); everything else `reconfigure` applies in place."""
+        keys = (config.block_size, config.hash_algorithm, config.hash_seed)
+        return keys == (
+            self.config.block_size,
+            self.config.hash_algorithm,
+            self.config.hash_seed,
+        ) and self.config.subscriber == replace(config.subscriber, replay_timeout=self.config.subscriber.replay_timeout)
 
     def reconfigure(self, config: PreciseConfig) -> None:
         """Take `config` (which this runtime `serves`), keeping what the index holds."""
@@ -216,6 +241,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         self.slot = slot
         self.runtime = runtime
         self.index = runtime.index
+        self.hasher = runtime.hasher
         self._capacities: dict[str, int] = {}
 
     def start(self) -> None:
@@ -237,7 +263,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         """Match the request once, before scoring, so that other plugins (the TTFT cost model)
         can use what the engines really hold: `{address: cached prompt tokens}`."""
-        hashes = self.block_hashes(cycle_state)
+        hashes = self.block_hashes(cycle_state, request)
         if not hashes:
             return
         if self.config.auto_tune:
@@ -252,7 +278,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     ) -> list[float]:
         scores = cycle_state.read(_SCORES_KEY)
         if scores is None or len(scores) != len(candidates):  # no prompt blocks, or filters ran since
-            hashes = self.block_hashes(cycle_state)
+            hashes = self.block_hashes(cycle_state, request)
             if not hashes:
                 return [0.0] * len(candidates)
             scores = self.index.score(hashes, [c.address for c in candidates])
@@ -262,7 +288,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         targets = result.targets
         if not targets:
             return
-        hashes = self.block_hashes(result.cycle_state)
+        hashes = self.block_hashes(result.cycle_state, request)
         if not hashes:
             return
         address = targets[0].address
@@ -279,8 +305,9 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         if prediction is not None:
             self.index.end_speculative(prediction)
 
-    def block_hashes(self, cycle_state: CycleState) -> tuple[int, ...]:
-        """The request's token-block hashes at the index's block size (computed at most once)."""
+    def block_hashes(self, cycle_state: CycleState, request: InferenceRequest) -> tuple[int, ...]:
+        """The request's token-block keys at the index's block size (computed at most once):
+        own hashes, or the engines' with `prefixCachingHashAlgo`."""
         cached = cycle_state.read(_HASHES_KEY)
         if cached is not None:
             return cached
@@ -288,14 +315,22 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         hashes: tuple[int, ...] = ()
         if blocks is not None and blocks.kind == TOKENS:
             size = self.index.block_size
-            if blocks.block_tokens == size:
-                hashes = blocks.hashes
-            elif blocks.token_ids is not None:
-                tokens = blocks.token_ids
+            tokens = blocks.token_ids
+            if tokens is not None:
                 hashed = len(blocks.hashes) * blocks.block_tokens
                 if len(tokens) >= hashed + blocks.block_tokens:  # the producer stopped at its block cap
                     tokens = tokens[:hashed]
+            if blocks.block_tokens == size:
+                hashes = blocks.hashes
+            elif tokens is not None:
                 hashes = tuple(token_block_hashes(tokens, size, blocks.seed))
+            if self.hasher is not None:
+                if tokens is None:
+                    return ()
+                # The own keys name the prefixes the engine's digests are cached under.
+                model = request.target_model
+                lora = None if model in self.index.models or model == self.config.subscriber.model else model
+                hashes = tuple(self.hasher.block_hashes(hashes, tokens, size, lora, request.cache_salt))
         cycle_state[_HASHES_KEY] = hashes
         return hashes
 

@@ -14,7 +14,7 @@ Library use (inside a test's event loop)::
         pod = fleet.pods[0]
         pod.address              # "127.0.0.1:PORT" (base_port=0 picks free ports)
         pod.url                  # "http://127.0.0.1:PORT"
-        pod.kv_events_endpoint   # "tcp://127.0.0.1:Q" (None without kv_events_base_port)
+        pod.kv_events_endpoint   # "tcp://127.0.0.1:Q" (None without kv_events_base_port, or connecting)
         pod.faults.error_rate = 0.5               # or POST /sim/fault {"error_rate": 0.5}
         await pod.crash(); await pod.restart()    # cache cleared, AllBlocksCleared published
         sorted(pod.engine.cache.refs)             # the pod's cached block hashes
