@@ -24,10 +24,12 @@ Library use (inside a test's event loop)::
 `Fleet` is also an async context manager. Modules: `kvcache` (block pool, chained block hashes,
 KV events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
 `events` (ZMQ publisher), `faults`, `pod` (HTTP server), `fleet`, `cli`, `selfbench`. The
-built-in tokenizer is `picker.prefix.builtin_tokenizer`, shared with the router.
+built-in tokenizer is `picker.prefix.builtin_tokenizer`, shared with the router, and so are
+vLLM's block hashes (`picker.kvevents.vllm_hash`), which the router's precise index computes too.
 
 A distribution of its own (`sim/`, `picker-sim`), outside the product's wheel and image.
-May import: prefix (picker's built-in tokenizer); picker never imports the simulator.
+May import: prefix (picker's built-in tokenizer), kvevents (vLLM's block hashes); picker never
+imports the simulator.
 """
 
 from __future__ import annotations

@@ -238,6 +238,8 @@ async def test_scorers_by_different_names_keep_their_own_index_and_subscriber(on
     "change, served",
     [
         ({"blockSizeTokens": 8}, False),  # the index's keys
+        ({"prefixCachingHashAlgo": "sha256_cbor"}, False),
+        ({"hashSeed": "42"}, False),
         ({"kvEventsPort": 5557}, False),  # the publishers, their topic and the model the entries came from
         ({"kvEventsReplayPort": 5558}, False),
         ({"topicFilter": "kv@pod-1"}, False),
@@ -263,6 +265,7 @@ def test_a_runtime_serves_a_config_unless_its_keys_or_publishers_change(change: 
         ({"speculativeTTL": "soon"}, "speculativeTTL: invalid duration"),
         ({"speculativeHold": "later"}, "speculativeHold: invalid duration"),
         ({"blockSize": 16}, "blockSize: unknown parameter"),
+        ({"prefixCachingHashAlgo": "md5"}, "prefixCachingHashAlgo: must be one of own, sha256_cbor, sha256"),
     ],
 )
 def test_bad_parameters_are_named(parameters: dict, message: str) -> None:
@@ -281,3 +284,4 @@ def test_parameters_have_the_documented_defaults() -> None:
     )
     assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)
     assert parsed.speculative_hold == 60.0
+    assert (parsed.hash_algorithm, parsed.hash_seed) == ("own", "vllm-none-hash")
