@@ -19,6 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import xxhash
 
@@ -52,6 +53,12 @@ def block_hashes(
     return out
 
 
+@cache
+def _digests(algorithm: str, seed: str) -> VllmBlockHasher:
+    """One digest cache for the pods of a fleet that hash alike (they share the process)."""
+    return VllmBlockHasher(algorithm, seed)
+
+
 class EngineHasher:
     """The block hashes one engine reports, from its `builtin` chain keys: those keys as they
     are, or vLLM's `sha256_cbor` / `sha256` chain from `NONE_HASH = H(seed)`."""
@@ -60,7 +67,7 @@ class EngineHasher:
         if algorithm not in HASH_ALGORITHMS:
             raise ValueError(f"block hash must be one of {HASH_ALGORITHMS}, not {algorithm!r}")
         self.algorithm = algorithm
-        self._vllm = None if algorithm == BUILTIN else VllmBlockHasher(algorithm, seed)
+        self._vllm = None if algorithm == BUILTIN else _digests(algorithm, seed)
 
     def __call__(
         self, keys: list[int], token_ids: Sequence[int], block_size: int, lora_name: str | None, cache_salt: str | None
