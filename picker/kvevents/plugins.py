@@ -65,6 +65,7 @@ from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
 from picker.prefix.prompt_blocks import TOKENS
 
 OWN_HASHES = "own"
+_ADAPTER_MARK = 0xA0A7_7E25_1A0B_5EED  # xor-ed into a LoRA request's digest cache keys
 _RUNTIME_KEY = "kvevents/precise-index"  # + ":" + the scorer's name (`Handle.persistent`)
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
@@ -327,10 +328,13 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
             if self.hasher is not None:
                 if tokens is None:
                     return ()
-                # The own keys name the prefixes the engine's digests are cached under.
+                # The own keys name the prefixes the engine's digests are cached under; a model
+                # no endpoint serves is a LoRA adapter, which vLLM hashes into every block (marked
+                # in the keys: a model may be learnt as a base model later, from a topic).
                 model = request.target_model
                 lora = None if model in self.index.models or model == self.config.subscriber.model else model
-                hashes = tuple(self.hasher.block_hashes(hashes, tokens, size, lora, request.cache_salt))
+                keys = hashes if lora is None else [key ^ _ADAPTER_MARK for key in hashes]
+                hashes = tuple(self.hasher.block_hashes(keys, tokens, size, lora, request.cache_salt))
         cycle_state[_HASHES_KEY] = hashes
         return hashes
 

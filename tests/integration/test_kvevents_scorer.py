@@ -14,9 +14,10 @@ from picker.config.runtime import Runtime
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.framework.parameters import PluginConfigError
-from picker.kvevents.decode import BlockStored
+from picker.kvevents.decode import BlockRemoved, BlockStored
 from picker.kvevents.plugins import PreciseConfig, PreciseRuntime, PreciseScorer
 from picker.kvevents.precise import TierWeights
+from picker.kvevents.vllm_hash import SHA256_CBOR, VllmBlockHasher, external
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
 from tests.routing import Router, completion
@@ -155,6 +156,38 @@ async def test_a_salted_request_maps_the_engines_blocks_into_its_scope(one_engin
     plain = await router.pick(body(PROMPT * 2), "p1")
     assert plain.profile_results["default"].scores[scorer.name] == [0.0]
     salted.finish()
+
+
+async def test_engine_keys_hash_requests_as_vllm_with_lora_and_cache_salt(one_engine: OneEngine) -> None:
+    """`prefixCachingHashAlgo`: the engine's events name blocks by vLLM's sha256_cbor chain, with
+    the adapter in every block's extra keys and the salt in the first's; requests match them."""
+    publisher, endpoint, router = one_engine
+    text = (
+        HEADER
+        + f"""
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters: {{kvEventsPort: null, modelName: {MODEL}, blockSizeTokens: 4, speculativeTTL: 0s,
+    prefixCachingHashAlgo: sha256_cbor, hashSeed: "42"}}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins: [{{pluginRef: precise-prefix-cache-scorer}}, {{pluginRef: max-score-picker}}]
+"""
+    )
+    scorer = precise(router.runtimes.load_text(text), "precise-prefix-cache-scorer")
+    await router.runtimes.start()
+    await publisher.subscribed()
+    hasher = VllmBlockHasher(SHA256_CBOR, "42")
+    for lora, salt in ((None, None), ("adapter-1", None), (None, "tenant-a"), ("adapter-1", "tenant-a")):
+        chain = [external(d) for d in hasher.digests(PROMPT[:32], 4, lora, salt)]  # 8 of 10 blocks
+        publisher.publish(BlockStored(tuple(chain), None, tuple(PROMPT[:32]), 4, lora_name=lora))
+        request = completion(PROMPT, lora or MODEL, **({"cache_salt": salt} if salt is not None else {}))
+        await until(lambda c=chain: scorer.index.engine_hashes(endpoint.address) >= set(c), what="the event")
+        result = await router.pick(request, f"r-{lora}-{salt}")
+        assert result.profile_results["default"].scores[scorer.name] == [0.8], (lora, salt)
+        publisher.publish(BlockRemoved(tuple(chain)))
+        await until(lambda: not scorer.index.engine_hashes(endpoint.address), what="the removal")
 
 
 def scorers(*names: str, parameters: str = "") -> str:
