@@ -38,7 +38,9 @@ and subscriber, which replace the old ones (closed then) once the config is inst
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,10 +64,12 @@ from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
 from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
-from picker.prefix.prompt_blocks import TOKENS
+from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 
 OWN_HASHES = "own"
 _ADAPTER_MARK = 0xA0A7_7E25_1A0B_5EED  # xor-ed into a LoRA request's digest cache keys
+_EXECUTOR_KEY = "kvevents/vllm-hash-executor"
+OFFLOAD_BLOCKS = 64  # uncached blocks (about 5 µs each) hashed off the event loop from this many
 _RUNTIME_KEY = "kvevents/precise-index"  # + ":" + the scorer's name (`Handle.persistent`)
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
@@ -236,13 +240,21 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     consumes = frozenset({PROMPT_BLOCKS_KEY})
     produces = frozenset({ENGINE_CACHED_TOKENS_KEY})
 
-    def __init__(self, name: str, config: PreciseConfig, slot: PreciseRuntimeSlot, runtime: PreciseRuntime) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: PreciseConfig,
+        slot: PreciseRuntimeSlot,
+        runtime: PreciseRuntime,
+        executor: Executor | None = None,
+    ) -> None:
         super().__init__(name)
         self.config = config
         self.slot = slot
         self.runtime = runtime
         self.index = runtime.index
         self.hasher = runtime.hasher
+        self.executor = executor  # hashes a long uncached prompt the engines' way off the loop
         self._capacities: dict[str, int] = {}
 
     def start(self) -> None:
@@ -257,9 +269,44 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
         config, effective = PreciseConfig.parse(parameters)
         slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
-        scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore))
+        executor = None
+        if config.hash_algorithm != OWN_HASHES:
+            executor = handle.persistent(
+                _EXECUTOR_KEY,
+                lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-vllm-hash"),
+                lambda executor: executor.shutdown(wait=False, cancel_futures=True),
+            )
+        scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore), executor)
         scorer.parameters = effective
         return scorer
+
+    async def prepare_async(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> None:
+        """With engine keys, hash the prompt's uncached blocks off the event loop when there are
+        many (the prompt's blocks are ready when its text was tokenized off the loop too)."""
+        if self.hasher is None or self.executor is None:
+            return
+        inputs = self._engine_inputs(cycle_state, request)
+        if inputs is None:
+            return
+        keys, tokens, lora = inputs
+        known, parent = self.hasher.cached(keys)
+        miss = len(known)
+        if len(keys) - miss < OFFLOAD_BLOCKS:
+            return  # `prepare` does it inline
+        size = self.index.block_size
+        digests = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            self.hasher.digests,
+            tokens[miss * size : len(keys) * size],
+            size,
+            lora,
+            request.cache_salt,
+            parent,
+            miss,
+        )
+        cycle_state[_HASHES_KEY] = (*known, *self.hasher.store(keys[miss:], digests))
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         """Match the request once, before scoring, so that other plugins (the TTFT cost model)
@@ -312,31 +359,40 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         cached = cycle_state.read(_HASHES_KEY)
         if cached is not None:
             return cached
-        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
         hashes: tuple[int, ...] = ()
-        if blocks is not None and blocks.kind == TOKENS:
-            size = self.index.block_size
-            tokens = blocks.token_ids
-            if tokens is not None:
-                hashed = len(blocks.hashes) * blocks.block_tokens
-                if len(tokens) >= hashed + blocks.block_tokens:  # the producer stopped at its block cap
-                    tokens = tokens[:hashed]
-            if blocks.block_tokens == size:
-                hashes = blocks.hashes
-            elif tokens is not None:
-                hashes = tuple(token_block_hashes(tokens, size, blocks.seed))
-            if self.hasher is not None:
-                if tokens is None:
-                    return ()
-                # The own keys name the prefixes the engine's digests are cached under; a model
-                # no endpoint serves is a LoRA adapter, which vLLM hashes into every block (marked
-                # in the keys: a model may be learnt as a base model later, from a topic).
-                model = request.target_model
-                lora = None if model in self.index.models or model == self.config.subscriber.model else model
-                keys = hashes if lora is None else [key ^ _ADAPTER_MARK for key in hashes]
-                hashes = tuple(self.hasher.block_hashes(keys, tokens, size, lora, request.cache_salt))
+        if self.hasher is None:
+            blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+            if blocks is not None and blocks.kind == TOKENS:
+                hashes = self._own_hashes(blocks)
+        elif (inputs := self._engine_inputs(cycle_state, request)) is not None:
+            keys, tokens, lora = inputs
+            hashes = tuple(self.hasher.block_hashes(keys, tokens, self.index.block_size, lora, request.cache_salt))
         cycle_state[_HASHES_KEY] = hashes
         return hashes
+
+    def _own_hashes(self, blocks: PromptBlocks) -> tuple[int, ...]:
+        """The prompt's own block hashes at the index's block size."""
+        size = self.index.block_size
+        if blocks.block_tokens == size:
+            return blocks.hashes
+        tokens = _hashed_tokens(blocks)
+        return () if tokens is None else tuple(token_block_hashes(tokens, size, blocks.seed))
+
+    def _engine_inputs(
+        self, cycle_state: CycleState, request: InferenceRequest
+    ) -> tuple[Sequence[int], Sequence[int], str | None] | None:
+        """What the engines' block hashes of the request come from: the own keys their digests
+        are cached under (each names a prefix), the token ids and the LoRA adapter, if any."""
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        if blocks is None or blocks.kind != TOKENS or (tokens := _hashed_tokens(blocks)) is None:
+            return None
+        keys: Sequence[int] = self._own_hashes(blocks)
+        # A model no endpoint serves is an adapter, which vLLM hashes into every block (its keys
+        # are marked: a model may be learnt as a base model later, from a topic).
+        model = request.target_model
+        if model in self.index.models or model == self.config.subscriber.model:
+            return keys, tokens, None
+        return [key ^ _ADAPTER_MARK for key in keys], tokens, model
 
     def _tune_capacity(self, candidates: Sequence[EndpointState]) -> None:
         """Keep 2 x each engine's GPU blocks (in own blocks), as scraped: room for CPU tiers and
@@ -349,3 +405,13 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
                 capacities[c.address] = blocks
                 engine_size = c.metrics.cache_block_size or size
                 self.index.set_capacity(c.address, 2 * -(-blocks * engine_size // size))
+
+
+def _hashed_tokens(blocks: PromptBlocks) -> Sequence[int] | None:
+    """The token ids the producer's blocks cover (it may have stopped at its block cap)."""
+    tokens = blocks.token_ids
+    if tokens is not None:
+        hashed = len(blocks.hashes) * blocks.block_tokens
+        if len(tokens) >= hashed + blocks.block_tokens:
+            return tokens[:hashed]
+    return tokens

@@ -179,6 +179,25 @@ class VllmBlockHasher:
             out.append(digest)
         return out
 
+    def cached(self, keys: Sequence[int]) -> tuple[list[int], bytes | None]:
+        """The event hashes of the leading `keys` whose digests are cached, and the last one's
+        digest (the parent to continue from)."""
+        found = list(map(self._cache.get, keys))
+        if None in found:
+            del found[found.index(None) :]
+        known: list[tuple[int, bytes]] = found  # type: ignore[assignment]  # the Nones are cut off
+        return list(map(_EVENT_HASH, known)), known[-1][1] if known else None
+
+    def store(self, keys: Sequence[int], digests: Sequence[bytes]) -> list[int]:
+        """Cache `digests` under `keys` (oldest quarter out when full); their event hashes."""
+        cache = self._cache
+        entries = [(external(d), d) for d in digests]
+        cache.update(zip(keys, entries))
+        if len(cache) > self.capacity:
+            for key in list(itertools.islice(cache, max(len(cache) - self.capacity, self.capacity // 4))):
+                del cache[key]
+        return list(map(_EVENT_HASH, entries))
+
     def block_hashes(
         self,
         keys: Sequence[int],
@@ -189,27 +208,12 @@ class VllmBlockHasher:
     ) -> list[int]:
         """The event hashes of the first `len(keys)` full blocks of `token_ids`, `keys[i]` naming
         the prefix up to block i; the digests of known keys are not computed again."""
-        cache = self._cache
-        found = list(map(cache.get, keys))
-        if None not in found:
-            return list(map(_EVENT_HASH, found))  # type: ignore[arg-type]  # no None, as checked
-        miss = found.index(None)
-        known: list[tuple[int, bytes]] = found[:miss]  # type: ignore[assignment]  # no None before `miss`
-        start = miss * block_size
-        fresh = self.digests(
-            token_ids[start : len(keys) * block_size],
-            block_size,
-            lora_name,
-            cache_salt,
-            known[-1][1] if known else None,
-            miss,
-        )
-        entries = [(external(d), d) for d in fresh]
-        cache.update(zip(keys[miss:], entries))
-        if len(cache) > self.capacity:
-            for key in list(itertools.islice(cache, max(len(cache) - self.capacity, self.capacity // 4))):
-                del cache[key]
-        return [*map(_EVENT_HASH, known), *map(_EVENT_HASH, entries)]
+        known, parent = self.cached(keys)
+        miss = len(known)
+        if miss == len(keys):
+            return known
+        tokens = token_ids[miss * block_size : len(keys) * block_size]
+        return known + self.store(keys[miss:], self.digests(tokens, block_size, lora_name, cache_salt, parent, miss))
 
 
 _EVENT_HASH = itemgetter(0)
