@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-format",
         choices=FORMATS,
         default="array",
-        help="event encoding: array (vLLM v0.10.2-v0.11, 6-field BlockStored; default), positional "
+        help="event encoding: array (vLLM v0.10.2-v0.11.0, 6-field BlockStored; default), positional "
         "(7 fields, with lora_name), map (vLLM's current tagged maps)",
     )
     p.add_argument(

@@ -2,11 +2,13 @@
 
 Wire format (vLLM's `ZmqEventPublisher`): each message is three frames
 `[topic, 8-byte big-endian sequence, msgpack EventBatch]`. Three encodings of the batch:
-- `array` (default): vLLM v0.10.2 to v0.11's msgspec structs, all `array_like` (the layout
-  llm-d v0.4.0 decodes, field counts included): the batch `[ts, [event, ...], data_parallel_rank]`,
+- `array` (default): the msgspec structs of vLLM v0.10.2 (which added `medium`) to v0.11.0,
+  all `array_like`, the layout llm-d v0.4.0 decodes, field counts included (its decoder fails on
+  any other count): the batch `[ts, [event, ...], data_parallel_rank]`,
   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`
   (6 fields), `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
-- `positional`: the same with `lora_name` after `medium` (7 fields), as later array-encoded vLLM.
+- `positional`: the same with `lora_name` after `medium` (7 fields; vLLM PR #27577), as the
+  array-encoded vLLM releases after it.
 - `map`: vLLM's current structs (vLLM PR #42892, no longer `array_like`): the batch
   `{"ts", "events", "data_parallel_rank"}` and events `{"type": "BlockStored", ...}`; as
   msgspec's `omit_defaults` does, fields without a default are sent even when nil and the
