@@ -10,8 +10,9 @@ block's parent being `NONE_HASH = H(seed)`, where the seed is the string in `PYT
   encoded here, so no CBOR library is needed.
 - `sha256`: SHA-256 of `pickle.dumps(x, protocol=5)` (Python's own pickle, as vLLM uses it).
 A block's `extra_keys` is the LoRA name (every block; vLLM hashed the adapter's int id before
-PR #27211) then `cache_salt` (first block only), or None when there are neither. Parents chain as the full 32-byte digests; a KV event carries each
-digest as the integer of its last 8 bytes, big-endian (`maybe_convert_block_hash`).
+PR #27211) then `cache_salt` (first block only), or None when there are neither. Parents chain
+as the full 32-byte digests; a KV event carries each digest as the integer of its last 8 bytes,
+big-endian (`maybe_convert_block_hash`).
 """
 
 from __future__ import annotations
