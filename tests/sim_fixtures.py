@@ -57,15 +57,21 @@ class BlockSetSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self._sub.connect(endpoint)
         self.topics: set[bytes] = set()
+        # The layouts seen: a batch's field count (array) or keys (map); per event tag the same.
+        self.batch_layouts: set[int | tuple[str, ...]] = set()
+        self.event_layouts: set[tuple[str, int | tuple[str, ...]]] = set()
 
     def close(self) -> None:
         self._sub.close(0)
 
     def _apply(self, payload: bytes) -> None:
-        ts, events, _rank = msgpack.unpackb(payload)
+        batch = msgpack.unpackb(payload)
+        self.batch_layouts.add(tuple(batch) if isinstance(batch, dict) else len(batch))
+        ts, events = (batch["ts"], batch["events"]) if isinstance(batch, dict) else batch[:2]
         assert isinstance(ts, float)
         for event in events:
             tag, fields = _event_fields(event)
+            self.event_layouts.add((tag, tuple(event) if isinstance(event, dict) else len(event)))
             if tag == "BlockStored":
                 hashes = fields["block_hashes"]
                 bs = fields["block_size"]

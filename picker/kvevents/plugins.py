@@ -17,6 +17,12 @@ Parameters (llm-d's names where they exist):
   topic (`kv@<pod>@<model>`) names none.
 - `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
   block size, the producer's hashes are used as they are, else re-hashed from the token ids.
+- `prefixCachingHashAlgo` ("own"): "own" keys blocks by the picker's own hashes, mapped from
+  the engines' through the events' token ids, whatever the engines' algorithm; `sha256_cbor` or
+  `sha256` (vLLM's `--prefix-caching-hash-algo`) keys them by the engines' hashes as sent and
+  hashes each request that way (`picker.kvevents.vllm_hash`), with `hashSeed` (llm-d's name;
+  "vllm-none-hash", vLLM's default, unless the engines set `PYTHONHASHSEED`) and
+  `blockSizeTokens` equal to the engines'. A prefix's digests are computed once and cached.
 - `tierWeights` ({gpu: 1.0, cpu: 0.8}), `speculativeTTL` ("2s"; 0 disables predictions),
   `speculativeHold` ("60s": the longest a prediction waits for its request to end; 0 counts
   `speculativeTTL` from the pick, which forgot prefixes queued at a busy engine),
@@ -24,15 +30,17 @@ Parameters (llm-d's names where they exist):
   scraped), `replayTimeout` ("1s").
 
 The index and subscriber are the scorer's own and outlive reloads by its name (two scorers by
-different names keep separate ones). A reload that keeps `blockSizeTokens` and the publishers'
-settings (`kvEventsPort`, `kvEventsReplayPort`, `topicFilter`, `modelName`) keeps the warm index
+different names keep separate ones). A reload that keeps `blockSizeTokens`, the hash settings
+and the publishers' settings (`kvEventsPort`, `kvEventsReplayPort`, `topicFilter`, `modelName`) keeps the warm index
 and applies the rest to it once the config is installed; one that changes them builds a new index
 and subscriber, which replace the old ones (closed then) once the config is installed.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,10 +61,15 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.kvevents.precise import PreciseIndex, Prediction, TierWeights
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
 from picker.prefix.hashing import token_block_hashes
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PROMPT_BLOCKS_KEY
-from picker.prefix.prompt_blocks import TOKENS
+from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 
+OWN_HASHES = "own"
+_ADAPTER_MARK = 0xA0A7_7E25_1A0B_5EED  # xor-ed into a LoRA request's digest cache keys
+_EXECUTOR_KEY = "kvevents/vllm-hash-executor"
+OFFLOAD_BLOCKS = 64  # uncached blocks (about 5 µs each) hashed off the event loop from this many
 _RUNTIME_KEY = "kvevents/precise-index"  # + ":" + the scorer's name (`Handle.persistent`)
 _HASHES_KEY = StateKey("precise-prefix-cache-scorer/hashes", tuple)
 _SCORES_KEY = StateKey("precise-prefix-cache-scorer/scores", list)
@@ -75,6 +88,8 @@ class PreciseConfig:
     speculative_hold: float = 60.0
     capacity: int = 200_000
     auto_tune: bool = True
+    hash_algorithm: str = OWN_HASHES  # or the engines' (`vllm_hash.ALGORITHMS`)
+    hash_seed: str = DEFAULT_SEED
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> tuple[PreciseConfig, dict[str, Any]]:
@@ -104,6 +119,8 @@ class PreciseConfig:
             speculative_hold=p.duration("speculativeHold", 60.0),
             capacity=p.integer("capacityPerEndpoint", 200_000, at_least=1),
             auto_tune=p.boolean("autoTune", True),
+            hash_algorithm=p.string("prefixCachingHashAlgo", OWN_HASHES, choices=(OWN_HASHES, *ALGORITHMS)),
+            hash_seed=p.string("hashSeed", DEFAULT_SEED),
         )
         return config, p.finish()
 
@@ -117,10 +134,17 @@ def _weight(value: Any, tier: str) -> float:
 class PreciseRuntime:
     """An index and the subscriber that feeds it (none without a datastore)."""
 
-    def __init__(self, config: PreciseConfig, index: PreciseIndex, subscriber: KVEventSubscriber | None) -> None:
+    def __init__(
+        self,
+        config: PreciseConfig,
+        index: PreciseIndex,
+        subscriber: KVEventSubscriber | None,
+        hasher: VllmBlockHasher | None = None,
+    ) -> None:
         self.config = config
         self.index = index
         self.subscriber = subscriber
+        self.hasher = hasher  # requests' engine keys, with `prefixCachingHashAlgo`
 
     @classmethod
     def build(cls, config: PreciseConfig, datastore: Datastore | None) -> PreciseRuntime:
@@ -130,17 +154,23 @@ class PreciseRuntime:
             weights=config.weights,
             speculative_ttl=config.speculative_ttl,
             default_capacity=config.capacity,
+            engine_keys=config.hash_algorithm != OWN_HASHES,
         )
         subscriber = None if datastore is None else KVEventSubscriber(index, datastore, config.subscriber)
-        return cls(config, index, subscriber)
+        if config.hash_algorithm == OWN_HASHES:
+            return cls(config, index, subscriber)
+        return cls(config, index, subscriber, VllmBlockHasher(config.hash_algorithm, config.hash_seed))
 
     def serves(self, config: PreciseConfig) -> bool:
-        """Whether this index and subscriber are right for `config`: the same block size (the
-        index's keys) and the same publishers, topic and model (what its entries came from);
-        everything else `reconfigure` applies in place."""
-        return config.block_size == self.config.block_size and self.config.subscriber == replace(
-            config.subscriber, replay_timeout=self.config.subscriber.replay_timeout
-        )
+        """Whether this index and subscriber are right for `config`: the same block size and
+        hashing (the index's keys) and the same publishers, topic and model (what its entries
+        came from); everything else `reconfigure` applies in place."""
+        keys = (config.block_size, config.hash_algorithm, config.hash_seed)
+        return keys == (
+            self.config.block_size,
+            self.config.hash_algorithm,
+            self.config.hash_seed,
+        ) and self.config.subscriber == replace(config.subscriber, replay_timeout=self.config.subscriber.replay_timeout)
 
     def reconfigure(self, config: PreciseConfig) -> None:
         """Take `config` (which this runtime `serves`), keeping what the index holds."""
@@ -210,12 +240,21 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     consumes = frozenset({PROMPT_BLOCKS_KEY})
     produces = frozenset({ENGINE_CACHED_TOKENS_KEY})
 
-    def __init__(self, name: str, config: PreciseConfig, slot: PreciseRuntimeSlot, runtime: PreciseRuntime) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: PreciseConfig,
+        slot: PreciseRuntimeSlot,
+        runtime: PreciseRuntime,
+        executor: Executor | None = None,
+    ) -> None:
         super().__init__(name)
         self.config = config
         self.slot = slot
         self.runtime = runtime
         self.index = runtime.index
+        self.hasher = runtime.hasher
+        self.executor = executor  # hashes a long uncached prompt the engines' way off the loop
         self._capacities: dict[str, int] = {}
 
     def start(self) -> None:
@@ -230,14 +269,49 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
         config, effective = PreciseConfig.parse(parameters)
         slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
-        scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore))
+        executor = None
+        if config.hash_algorithm != OWN_HASHES:
+            executor = handle.persistent(
+                _EXECUTOR_KEY,
+                lambda: ThreadPoolExecutor(1, thread_name_prefix="picker-vllm-hash"),
+                lambda executor: executor.shutdown(wait=False, cancel_futures=True),
+            )
+        scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore), executor)
         scorer.parameters = effective
         return scorer
+
+    async def prepare_async(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState
+    ) -> None:
+        """With engine keys, hash the prompt's uncached blocks off the event loop when there are
+        many (the prompt's blocks are ready when its text was tokenized off the loop too)."""
+        if self.hasher is None or self.executor is None:
+            return
+        inputs = self._engine_inputs(cycle_state, request)
+        if inputs is None:
+            return
+        keys, tokens, lora = inputs
+        known, parent = self.hasher.cached(keys)
+        miss = len(known)
+        if len(keys) - miss < OFFLOAD_BLOCKS:
+            return  # `prepare` does it inline
+        size = self.index.block_size
+        digests = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            self.hasher.digests,
+            tokens[miss * size : len(keys) * size],
+            size,
+            lora,
+            request.cache_salt,
+            parent,
+            miss,
+        )
+        cycle_state[_HASHES_KEY] = (*known, *self.hasher.store(keys[miss:], digests))
 
     def prepare(self, request: InferenceRequest, candidates: Sequence[EndpointState], cycle_state: CycleState) -> None:
         """Match the request once, before scoring, so that other plugins (the TTFT cost model)
         can use what the engines really hold: `{address: cached prompt tokens}`."""
-        hashes = self.block_hashes(cycle_state)
+        hashes = self.block_hashes(cycle_state, request)
         if not hashes:
             return
         if self.config.auto_tune:
@@ -252,7 +326,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
     ) -> list[float]:
         scores = cycle_state.read(_SCORES_KEY)
         if scores is None or len(scores) != len(candidates):  # no prompt blocks, or filters ran since
-            hashes = self.block_hashes(cycle_state)
+            hashes = self.block_hashes(cycle_state, request)
             if not hashes:
                 return [0.0] * len(candidates)
             scores = self.index.score(hashes, [c.address for c in candidates])
@@ -262,7 +336,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         targets = result.targets
         if not targets:
             return
-        hashes = self.block_hashes(result.cycle_state)
+        hashes = self.block_hashes(result.cycle_state, request)
         if not hashes:
             return
         address = targets[0].address
@@ -279,25 +353,46 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
         if prediction is not None:
             self.index.end_speculative(prediction)
 
-    def block_hashes(self, cycle_state: CycleState) -> tuple[int, ...]:
-        """The request's token-block hashes at the index's block size (computed at most once)."""
+    def block_hashes(self, cycle_state: CycleState, request: InferenceRequest) -> tuple[int, ...]:
+        """The request's token-block keys at the index's block size (computed at most once):
+        own hashes, or the engines' with `prefixCachingHashAlgo`."""
         cached = cycle_state.read(_HASHES_KEY)
         if cached is not None:
             return cached
-        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
         hashes: tuple[int, ...] = ()
-        if blocks is not None and blocks.kind == TOKENS:
-            size = self.index.block_size
-            if blocks.block_tokens == size:
-                hashes = blocks.hashes
-            elif blocks.token_ids is not None:
-                tokens = blocks.token_ids
-                hashed = len(blocks.hashes) * blocks.block_tokens
-                if len(tokens) >= hashed + blocks.block_tokens:  # the producer stopped at its block cap
-                    tokens = tokens[:hashed]
-                hashes = tuple(token_block_hashes(tokens, size, blocks.seed))
+        if self.hasher is None:
+            blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+            if blocks is not None and blocks.kind == TOKENS:
+                hashes = self._own_hashes(blocks)
+        elif (inputs := self._engine_inputs(cycle_state, request)) is not None:
+            keys, tokens, lora = inputs
+            hashes = tuple(self.hasher.block_hashes(keys, tokens, self.index.block_size, lora, request.cache_salt))
         cycle_state[_HASHES_KEY] = hashes
         return hashes
+
+    def _own_hashes(self, blocks: PromptBlocks) -> tuple[int, ...]:
+        """The prompt's own block hashes at the index's block size."""
+        size = self.index.block_size
+        if blocks.block_tokens == size:
+            return blocks.hashes
+        tokens = _hashed_tokens(blocks)
+        return () if tokens is None else tuple(token_block_hashes(tokens, size, blocks.seed))
+
+    def _engine_inputs(
+        self, cycle_state: CycleState, request: InferenceRequest
+    ) -> tuple[Sequence[int], Sequence[int], str | None] | None:
+        """What the engines' block hashes of the request come from: the own keys their digests
+        are cached under (each names a prefix), the token ids and the LoRA adapter, if any."""
+        blocks = cycle_state.read(PROMPT_BLOCKS_KEY)
+        if blocks is None or blocks.kind != TOKENS or (tokens := _hashed_tokens(blocks)) is None:
+            return None
+        keys: Sequence[int] = self._own_hashes(blocks)
+        # A model no endpoint serves is an adapter, which vLLM hashes into every block (its keys
+        # are marked: a model may be learnt as a base model later, from a topic).
+        model = request.target_model
+        if model in self.index.models or model == self.config.subscriber.model:
+            return keys, tokens, None
+        return [key ^ _ADAPTER_MARK for key in keys], tokens, model
 
     def _tune_capacity(self, candidates: Sequence[EndpointState]) -> None:
         """Keep 2 x each engine's GPU blocks (in own blocks), as scraped: room for CPU tiers and
@@ -310,3 +405,13 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
                 capacities[c.address] = blocks
                 engine_size = c.metrics.cache_block_size or size
                 self.index.set_capacity(c.address, 2 * -(-blocks * engine_size // size))
+
+
+def _hashed_tokens(blocks: PromptBlocks) -> Sequence[int] | None:
+    """The token ids the producer's blocks cover (it may have stopped at its block cap)."""
+    tokens = blocks.token_ids
+    if tokens is not None:
+        hashed = len(blocks.hashes) * blocks.block_tokens
+        if len(tokens) >= hashed + blocks.block_tokens:
+            return tokens[:hashed]
+    return tokens

@@ -20,6 +20,12 @@ picker's tenant. A chain's first block is therefore placed under, in order of pr
 Every later block follows its parent's own key, so the whole chain stays in the first
 block's scope.
 
+Engine keys. With `engine_keys` the index keys blocks by the engine's own hashes as the events
+carry them, and requests are hashed the engine's way (`picker.kvevents.vllm_hash`: the same
+algorithm, seed and block size): no token ids are needed, a chain whose parent was never seen
+is still placed, and LoRA and `cache_salt` scopes are the engine's own, but only engines that
+hash that way can be matched. Events of another block size are ignored then.
+
 Tiers: a block can be on the GPU, on CPU (offloaded), and "speculative" (inserted after a pick,
 counted as GPU until `speculative_ttl` passes without a confirming event; a prediction made with
 `hold` lasts while its request is in flight, up to `hold` seconds, and `speculative_ttl` after
@@ -158,12 +164,15 @@ class PreciseIndex:
         default_capacity: int = 200_000,
         max_scope_hints: int = 65_536,
         clock: Callable[[], float] = time.monotonic,
+        engine_keys: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         if default_capacity <= 0:
             raise ValueError("default_capacity must be positive")
         self.block_size = block_size
+        self.engine_keys = engine_keys
+        self.models: set[str] = set()  # the models endpoints serve (others are LoRA adapters)
         self.speculative_ttl = speculative_ttl
         self.default_capacity = default_capacity
         self._max_scope_hints = max_scope_hints
@@ -215,6 +224,8 @@ class PreciseIndex:
 
     def track(self, endpoint: str, model: str = "", capacity: int | None = None) -> None:
         """Start (or update) tracking `endpoint`; `model` seeds chains of blocks without a LoRA."""
+        if model:
+            self.models.add(model)
         cache = self._caches.get(endpoint)
         if cache is None:
             self._caches[endpoint] = _EndpointCache(model, capacity or self.default_capacity)
@@ -285,6 +296,9 @@ class PreciseIndex:
             return  # sliding-window / mamba groups do not hold reusable prefixes
         cache.groups.add(event.group_idx)
         tier = tier_of(event.medium)
+        if self.engine_keys:
+            self._stored_engine_keys(endpoint, cache, event.block_hashes, event.block_size, tier)
+            return
         engine = cache.engine
         hashes = event.block_hashes
         size = event.block_size
@@ -370,6 +384,23 @@ class PreciseIndex:
                 covers[j].append(h)
         self._record_covers(cache, own, covers)
         self._restore_spanning(endpoint, cache, hashes)
+        self._bound_engine(cache)
+
+    def _stored_engine_keys(
+        self, endpoint: str, cache: _EndpointCache, hashes: tuple[int, ...], size: int, tier: int
+    ) -> None:
+        """Engine keys: each stored block is its own key."""
+        if size != self.block_size:
+            return  # keys at another block size never match a request's
+        engine = cache.engine
+        if tier == GPU and engine.keys().isdisjoint(hashes):
+            engine.update(zip(hashes, hashes))
+        else:
+            for h in hashes:
+                previous = engine.get(h)
+                tiers = tier if previous is None else tier | _expand(previous)[TIERS]
+                engine[h] = h if tiers == GPU else ((h,), tiers, h, (), ())
+        self._add(endpoint, cache, hashes, tier)
         self._bound_engine(cache)
 
     @staticmethod
@@ -553,8 +584,9 @@ class PreciseIndex:
     ) -> None:
         """Remember that a request in scope (model, cache_salt, tenant) starting with `token_ids`
         went to `endpoint`, so the engine's coming `BlockStored` for that chain (which carries
-        no salt or tenant) is keyed in the request's scope. A no-op for the plain scope."""
-        if (cache_salt is None and tenant is None) or len(token_ids) < self.block_size:
+        no salt or tenant) is keyed in the request's scope. A no-op for the plain scope, and
+        with engine keys (which carry the engine's scope)."""
+        if (cache_salt is None and tenant is None) or len(token_ids) < self.block_size or self.engine_keys:
             return
         plain_key = self._first_key(token_ids, _seed(model, None, None))
         hints = self._scope_hints

@@ -14,7 +14,7 @@ Library use (inside a test's event loop)::
         pod = fleet.pods[0]
         pod.address              # "127.0.0.1:PORT" (base_port=0 picks free ports)
         pod.url                  # "http://127.0.0.1:PORT"
-        pod.kv_events_endpoint   # "tcp://127.0.0.1:Q" (None without kv_events_base_port)
+        pod.kv_events_endpoint   # "tcp://127.0.0.1:Q" (None without kv_events_base_port, or connecting)
         pod.faults.error_rate = 0.5               # or POST /sim/fault {"error_rate": 0.5}
         await pod.crash(); await pod.restart()    # cache cleared, AllBlocksCleared published
         sorted(pod.engine.cache.refs)             # the pod's cached block hashes
@@ -25,10 +25,12 @@ Library use (inside a test's event loop)::
 KV events), `engine` (scheduler and step loop), `profiles` (timing), `stats` (metrics page),
 `events` (ZMQ publisher), `kvtransfer` (prefill/decode: vLLM's KV connector protocol), `faults`,
 `pod` (HTTP server), `fleet`, `cli`, `selfbench`. The built-in tokenizer is
-`picker.prefix.builtin_tokenizer`, shared with the router.
+`picker.prefix.builtin_tokenizer`, shared with the router, and so are vLLM's block hashes
+(`picker.kvevents.vllm_hash`), which the router's precise index computes too.
 
 A distribution of its own (`sim/`, `picker-sim`), outside the product's wheel and image.
-May import: prefix (picker's built-in tokenizer); picker never imports the simulator.
+May import: prefix (picker's built-in tokenizer), kvevents (vLLM's block hashes); picker never
+imports the simulator.
 """
 
 from __future__ import annotations

@@ -12,14 +12,17 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import sys
 
 import uvloop
 
-from picker_sim.events import FORMATS
+from picker.kvevents.vllm_hash import DEFAULT_SEED
+from picker_sim.events import DEFAULT_TOPIC, FORMATS, binds
 from picker_sim.faults import Faults
 from picker_sim.fleet import Fleet, FleetConfig
+from picker_sim.kvcache import HASH_ALGORITHMS
 from picker_sim.kvtransfer import ROLES
 from picker_sim.pod import Pod
 from picker_sim.profiles import DEFAULT_PROFILE, PROFILES
@@ -33,7 +36,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distinct-hosts", action="store_true", help="pod i on address host+i, all at base-port")
     p.add_argument("--kv-events-base-port", type=int, help="publish KV events; pod i on this port+i")
     p.add_argument("--kv-events-replay-base-port", type=int, help="serve KV-event replay; pod i on this port+i")
-    p.add_argument("--kv-events-format", choices=FORMATS, default="positional", help="event encoding")
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="vLLM's kv-events endpoint: with '*' (tcp://*:PORT) every pod binds its own address at PORT "
+        "(+i, as --kv-events-base-port), otherwise every pod connects to it (a subscriber that binds)",
+    )
+    p.add_argument(
+        "--kv-events-topic",
+        default=DEFAULT_TOPIC,
+        help="topic of each pod's events; {ip}, {port}, {model}, {name} are filled in (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-events-format",
+        choices=FORMATS,
+        default="array",
+        help="event encoding: array (vLLM v0.10.2-v0.11.0, 6-field BlockStored; default), positional "
+        "(7 fields, with lora_name), map (vLLM's current tagged maps)",
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGORITHMS,
+        default="sha256_cbor",
+        help="block hash, as vLLM's flag of that name, or the sim's own xxh3 chain (builtin)",
+    )
+    p.add_argument(
+        "--hash-seed",
+        default=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED),
+        help="seed of vLLM's NONE_HASH (vLLM's PYTHONHASHSEED; default $PYTHONHASHSEED, else %(default)s)",
+    )
     p.add_argument("--model", default="sim-model", help="served model name (default sim-model)")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="timing profile")
     p.add_argument("--time-scale", type=float, default=1.0, help="run simulated time this many times faster")
@@ -94,6 +124,18 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         value = getattr(args, name)
         if value is not None and not 0 <= value <= 65535:
             raise ValueError(f"--{name.replace('_', '-')} must be a port number")
+    connect = None
+    if args.kv_events_endpoint is not None:
+        endpoint = args.kv_events_endpoint
+        if binds(endpoint):
+            host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+            if host != "*" or not port.isdigit() or args.kv_events_base_port is not None:
+                raise ValueError("--kv-events-endpoint binds only as tcp://*:PORT, without --kv-events-base-port")
+            args.kv_events_base_port = int(port)
+        elif endpoint.startswith("tcp://"):
+            connect = endpoint
+        else:
+            raise ValueError(f"--kv-events-endpoint must be a tcp:// endpoint, not {endpoint!r}")
     for name in ("num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -119,6 +161,10 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         kv_events_base_port=args.kv_events_base_port,
         kv_replay_base_port=args.kv_events_replay_base_port,
         kv_events_format=args.kv_events_format,
+        kv_events_connect=connect,
+        kv_events_topic=args.kv_events_topic,
+        block_hash=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
         model=args.model,
         profile=args.profile,
         time_scale=args.time_scale,

@@ -31,8 +31,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from picker.kvevents.vllm_hash import DEFAULT_SEED
 from picker.prefix.builtin_tokenizer import encode
-from picker_sim.kvcache import ROOT_HASH, KVCache, KVEvent, block_hashes
+from picker_sim.kvcache import ROOT_HASH, EngineHasher, KVCache, KVEvent, block_hashes
 from picker_sim.profiles import Profile
 from picker_sim.stats import EngineStats
 
@@ -108,6 +109,8 @@ class EngineConfig:
     max_model_len: int = 32768
     time_scale: float = 1.0
     kv_transfer_timeout: float = 480.0  # seconds pinned blocks wait for their consumer
+    block_hash: str = "sha256_cbor"  # vLLM's --prefix-caching-hash-algo, or "builtin"
+    hash_seed: str = DEFAULT_SEED  # vLLM's PYTHONHASHSEED
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,7 @@ class Request:
         "hashes",
         "held",
         "id",
+        "keys",
         "kv_producer",
         "last_token_at",
         "lora",
@@ -162,6 +166,7 @@ class Request:
         max_tokens: int,
         lora: str | None,
         cache_salt: str | None,
+        hasher: EngineHasher,
         block_size: int,
         stream: bool,
         arrival: float,
@@ -173,7 +178,8 @@ class Request:
         self.max_tokens = max_tokens
         self.lora = lora
         self.cache_salt = cache_salt
-        self.hashes = block_hashes(prompt_ids, block_size, lora_name=lora, cache_salt=cache_salt)
+        self.keys = block_hashes(prompt_ids, block_size, lora_name=lora, cache_salt=cache_salt)
+        self.hashes = hasher(self.keys, prompt_ids, block_size, lora, cache_salt)  # as the engine reports them
         self.held: list[int] = []  # cached block hashes this request references, in order
         self.private = 0  # blocks allocated but not (yet) cached
         self.num_computed = 0
@@ -227,6 +233,7 @@ class Engine:
         self._clock = clock
         self._sleep = sleep
         self.cache = KVCache(config.num_gpu_blocks, config.block_size)
+        self.hasher = EngineHasher(config.block_hash, config.hash_seed)
         self.stats = EngineStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -296,7 +303,17 @@ class Engine:
             )
         if -(-(len(prompt_ids) + max_tokens) // cfg.block_size) > cfg.num_gpu_blocks:
             raise EngineError("request needs more KV blocks than the engine has")
-        req = Request(next(self._ids), prompt_ids, max_tokens, lora, cache_salt, cfg.block_size, stream, self._clock())
+        req = Request(
+            next(self._ids),
+            prompt_ids,
+            max_tokens,
+            lora,
+            cache_salt,
+            self.hasher,
+            cfg.block_size,
+            stream,
+            self._clock(),
+        )
         req.kv_producer = kv_producer
         req.remote_hashes = remote_hashes
         self.waiting.append(req)
@@ -545,11 +562,12 @@ class Engine:
             have = len(req.held)
             if full > have:
                 if full > len(req.hashes):
-                    parent = req.hashes[-1] if req.hashes else ROOT_HASH
-                    start = len(req.hashes)
-                    req.hashes += block_hashes(
+                    parent = req.keys[-1] if req.keys else ROOT_HASH
+                    start = len(req.keys)
+                    req.keys += block_hashes(
                         req.tokens[start * bs : full * bs], bs, parent, start, req.lora, req.cache_salt
                     )
+                    req.hashes = self.hasher(req.keys, req.tokens, bs, req.lora, req.cache_salt)
                 new = req.hashes[have:full]
                 cache.commit(new, req.hashes[have - 1] if have else None, req.tokens[have * bs : full * bs], req.lora)
                 req.held = req.hashes[:full]

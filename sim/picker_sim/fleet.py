@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
+from picker.kvevents.vllm_hash import DEFAULT_SEED
 from picker.prefix.builtin_tokenizer import Tokenizer, load_tokenizer
 from picker_sim.engine import EngineConfig
+from picker_sim.events import DEFAULT_TOPIC
 from picker_sim.faults import Faults
+from picker_sim.kvcache import HASH_ALGORITHMS
 from picker_sim.kvtransfer import ROLES
 from picker_sim.pod import Pod
 from picker_sim.profiles import DEFAULT_PROFILE, get_profile
@@ -25,7 +28,11 @@ class FleetConfig:
     distinct_hosts: bool = False  # pod i on host+i (an IPv4 address), all on base_port
     kv_events_base_port: int | None = None  # None = no KV events; 0 = free ports
     kv_replay_base_port: int | None = None  # None = no replay socket; 0 = free ports
-    kv_events_format: str = "positional"
+    kv_events_format: str = "array"
+    kv_events_connect: str | None = None  # every pod's PUB socket connects here instead of binding
+    kv_events_topic: str = DEFAULT_TOPIC
+    block_hash: str = "sha256_cbor"  # vLLM's --prefix-caching-hash-algo, or "builtin"
+    hash_seed: str = DEFAULT_SEED  # vLLM's PYTHONHASHSEED
     model: str = "sim-model"
     profile: str = DEFAULT_PROFILE
     time_scale: float = 1.0
@@ -58,6 +65,8 @@ class FleetConfig:
             raise ValueError(f"unknown roles {sorted(unknown)}; known: {', '.join(ROLES)}")
         if self.kv_transfer_timeout <= 0:
             raise ValueError("kv_transfer_timeout must be positive")
+        if self.block_hash not in HASH_ALGORITHMS:
+            raise ValueError(f"block hash must be one of {HASH_ALGORITHMS}, not {self.block_hash!r}")
         return EngineConfig(
             profile=profile,
             num_gpu_blocks=self.num_gpu_blocks or profile.num_gpu_blocks,
@@ -68,6 +77,8 @@ class FleetConfig:
             max_model_len=self.max_model_len,
             time_scale=self.time_scale,
             kv_transfer_timeout=self.kv_transfer_timeout,
+            block_hash=self.block_hash,
+            hash_seed=self.hash_seed,
         )
 
 
@@ -95,7 +106,7 @@ class Fleet:
     async def start(self) -> None:
         """Start every pod; on failure stop the ones already started and re-raise."""
         cfg = self.config
-        if cfg.kv_events_base_port is not None:
+        if cfg.kv_events_base_port is not None or cfg.kv_events_connect is not None:
             self._zmq = zmq.asyncio.Context()
         try:
             for i in range(cfg.pods):
@@ -111,6 +122,8 @@ class Fleet:
                     kv_events_port=cfg.kv_events_base_port if distinct else _port(cfg.kv_events_base_port, i),
                     kv_replay_port=cfg.kv_replay_base_port if distinct else _port(cfg.kv_replay_base_port, i),
                     kv_events_format=cfg.kv_events_format,
+                    kv_events_connect=cfg.kv_events_connect,
+                    kv_events_topic=cfg.kv_events_topic,
                     lora_modules=cfg.lora_modules,
                     faults=Faults(**cfg.faults.as_dict()),
                     role=cfg.role(i),

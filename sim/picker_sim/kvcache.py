@@ -6,9 +6,11 @@ Unreferenced cached blocks stay cached until space is needed and are then evicte
 recently used first. Every change to the set of cached blocks is recorded as a KV event
 (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) for the publisher to drain.
 
-Block hash: xxh3-64 over the block's token ids (uint32 little-endian) followed by the extra
-keys (LoRA name on every block, `cache_salt` on the first block), seeded with the parent's
-hash; the first block's parent is `ROOT_HASH`. Deterministic across processes and restarts.
+Block hashes are vLLM's (`EngineHasher`): `sha256_cbor` by default, `sha256`, or the sim's
+own `builtin` chain, which also keys the digest cache of the other two: xxh3-64 over the
+block's token ids (uint32 little-endian) followed by the extra keys (LoRA name on every block,
+`cache_salt` on the first block), seeded with the parent's hash; the first block's parent is
+`ROOT_HASH`. Deterministic across processes and restarts.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import xxhash
 
+from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
+
+BUILTIN = "builtin"
+HASH_ALGORITHMS = (*ALGORITHMS, BUILTIN)
 ROOT_HASH = xxhash.xxh3_64_intdigest(b"picker-sim/none-hash")
 
 
@@ -44,6 +51,31 @@ def block_hashes(
         h = digest(data[start : start + step] + extra, seed=h)
         out.append(h)
     return out
+
+
+@cache
+def _digests(algorithm: str, seed: str) -> VllmBlockHasher:
+    """One digest cache for the pods of a fleet that hash alike (they share the process)."""
+    return VllmBlockHasher(algorithm, seed)
+
+
+class EngineHasher:
+    """The block hashes one engine reports, from its `builtin` chain keys: those keys as they
+    are, or vLLM's `sha256_cbor` / `sha256` chain from `NONE_HASH = H(seed)`."""
+
+    def __init__(self, algorithm: str = "sha256_cbor", seed: str = DEFAULT_SEED) -> None:
+        if algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"block hash must be one of {HASH_ALGORITHMS}, not {algorithm!r}")
+        self.algorithm = algorithm
+        self._vllm = None if algorithm == BUILTIN else _digests(algorithm, seed)
+
+    def __call__(
+        self, keys: list[int], token_ids: Sequence[int], block_size: int, lora_name: str | None, cache_salt: str | None
+    ) -> list[int]:
+        """The hashes of the blocks `keys` (`block_hashes` of `token_ids`) name."""
+        if self._vllm is None:
+            return keys
+        return self._vllm.block_hashes(keys, token_ids, block_size, lora_name, cache_salt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from aiohttp import HttpVersion11, web
 
 from picker.prefix.builtin_tokenizer import Tokenizer
 from picker_sim.engine import Engine, EngineConfig, EngineError, Request
-from picker_sim.events import KVEventPublisher
+from picker_sim.events import DEFAULT_TOPIC, KVEventPublisher
 from picker_sim.faults import FORCE_ERROR_HEADER, Faults
 from picker_sim.kvtransfer import (
     PULL_PATH,
@@ -113,7 +113,9 @@ class Pod:
         zmq_ctx: zmq.asyncio.Context | None = None,
         kv_events_port: int | None = None,
         kv_replay_port: int | None = None,
-        kv_events_format: str = "positional",
+        kv_events_format: str = "array",
+        kv_events_connect: str | None = None,
+        kv_events_topic: str = DEFAULT_TOPIC,
         lora_modules: tuple[str, ...] = (),
         faults: Faults | None = None,
         role: str = "both",
@@ -133,6 +135,8 @@ class Pod:
         self.engine = Engine(engine_config)
         self._zmq_ctx = zmq_ctx
         self._kv = (kv_events_port, kv_replay_port, kv_events_format)
+        self._kv_connect = kv_events_connect
+        self._kv_topic = kv_events_topic
         self.publisher: KVEventPublisher | None = None
         self._runner: web.AppRunner | None = None
         self._unhung = asyncio.Event()
@@ -164,10 +168,12 @@ class Pod:
             self._unhung.set()
         await self._listen()
         kv_port, replay_port, fmt = self._kv
-        if kv_port is not None:
+        if kv_port is not None or self._kv_connect is not None:
             assert self._zmq_ctx is not None, "KV events need a zmq context"
-            topic = f"kv@{self.address}@{self.model}"
-            self.publisher = KVEventPublisher(self._zmq_ctx, self.host, kv_port, topic, fmt, replay_port)
+            topic = self._kv_topic.format(ip=self.host, port=self.port, model=self.model, name=self.name)
+            self.publisher = KVEventPublisher(
+                self._zmq_ctx, self.host, kv_port or 0, topic, fmt, replay_port, connect=self._kv_connect
+            )
             self.publisher.drop_rate = self.faults.drop_kv_events
             self.publisher.start()
             self.engine.on_events = self._publish

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
@@ -14,9 +15,11 @@ from picker.config.runtime import Runtime
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.framework.parameters import PluginConfigError
-from picker.kvevents.decode import BlockStored
-from picker.kvevents.plugins import PreciseConfig, PreciseRuntime, PreciseScorer
+from picker.kvevents.decode import BlockRemoved, BlockStored
+from picker.kvevents.plugins import OFFLOAD_BLOCKS, PreciseConfig, PreciseRuntime, PreciseScorer
 from picker.kvevents.precise import TierWeights
+from picker.kvevents.vllm_hash import SHA256_CBOR, VllmBlockHasher, external
+from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from tests.integration.test_kvevents_subscriber import HOST, Publisher, until
 from tests.routing import Router, completion
@@ -157,6 +160,60 @@ async def test_a_salted_request_maps_the_engines_blocks_into_its_scope(one_engin
     salted.finish()
 
 
+def engine_keys_config(parameters: str = "", producer: str = "") -> str:
+    """A precise scorer keyed by the engines' sha256_cbor hashes (with `parameters`), after
+    `producer` if given, and the max-score picker."""
+    return (
+        HEADER
+        + "plugins:\n"
+        + producer
+        + "- type: precise-prefix-cache-scorer\n"
+        + f"  parameters: {{kvEventsPort: null, modelName: {MODEL}, blockSizeTokens: 4, speculativeTTL: 0s,"
+        + f" prefixCachingHashAlgo: sha256_cbor{parameters}}}\n"
+        + "- type: max-score-picker\nschedulingProfiles:\n- name: default\n"
+        + "  plugins: [{pluginRef: precise-prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"
+    )
+
+
+async def test_engine_keys_hash_requests_as_vllm_with_lora_and_cache_salt(one_engine: OneEngine) -> None:
+    """`prefixCachingHashAlgo`: the engine's events name blocks by vLLM's sha256_cbor chain, with
+    the adapter in every block's extra keys and the salt in the first's; requests match them."""
+    publisher, endpoint, router = one_engine
+    text = engine_keys_config(', hashSeed: "42"')
+    scorer = precise(router.runtimes.load_text(text), "precise-prefix-cache-scorer")
+    await router.runtimes.start()
+    await publisher.subscribed()
+    hasher = VllmBlockHasher(SHA256_CBOR, "42")
+    for lora, salt in ((None, None), ("adapter-1", None), (None, "tenant-a"), ("adapter-1", "tenant-a")):
+        chain = [external(d) for d in hasher.digests(PROMPT[:32], 4, lora, salt)]  # 8 of 10 blocks
+        publisher.publish(BlockStored(tuple(chain), None, tuple(PROMPT[:32]), 4, lora_name=lora))
+        request = completion(PROMPT, lora or MODEL, **({"cache_salt": salt} if salt is not None else {}))
+        await until(lambda c=chain: scorer.index.engine_hashes(endpoint.address) >= set(c), what="the event")
+        result = await router.pick(request, f"r-{lora}-{salt}")
+        assert result.profile_results["default"].scores[scorer.name] == [0.8], (lora, salt)
+        publisher.publish(BlockRemoved(tuple(chain)))
+        await until(lambda: not scorer.index.engine_hashes(endpoint.address), what="the removal")
+
+
+async def test_engine_keys_of_a_long_tokenized_prompt_are_hashed_off_the_event_loop(one_engine: OneEngine) -> None:
+    publisher, endpoint, router = one_engine
+    producer = '- type: approx-prefix-cache-producer\n  parameters: {blockSizeTokens: 4, tokenizers: {"*": builtin}}\n'
+    text = engine_keys_config(producer=producer)
+    scorer = precise(router.runtimes.load_text(text), "precise-prefix-cache-scorer")
+    await router.runtimes.start()
+    await publisher.subscribed()
+    prompt = " ".join(f"word{i}" for i in range(600))
+    tokens = encode(prompt)
+    blocks = len(tokens) // 4
+    assert blocks >= OFFLOAD_BLOCKS
+    chain = [external(d) for d in VllmBlockHasher().digests(tokens, 4)]  # vLLM's default seed
+    publisher.publish(BlockStored(tuple(chain), None, tuple(tokens[: blocks * 4]), 4))
+    await until(lambda: scorer.index.engine_hashes(endpoint.address) == set(chain), what="the event")
+    result = await router.pick(completion(prompt, MODEL), "long")
+    assert result.profile_results["default"].scores[scorer.name] == [1.0]
+    assert any(t.name.startswith("picker-vllm-hash") for t in threading.enumerate())  # the executor ran
+
+
 def scorers(*names: str, parameters: str = "") -> str:
     """A config of precise scorers called `names`, each with the same parameters (and `parameters`)."""
     entries = "".join(
@@ -238,6 +295,8 @@ async def test_scorers_by_different_names_keep_their_own_index_and_subscriber(on
     "change, served",
     [
         ({"blockSizeTokens": 8}, False),  # the index's keys
+        ({"prefixCachingHashAlgo": "sha256_cbor"}, False),
+        ({"hashSeed": "42"}, False),
         ({"kvEventsPort": 5557}, False),  # the publishers, their topic and the model the entries came from
         ({"kvEventsReplayPort": 5558}, False),
         ({"topicFilter": "kv@pod-1"}, False),
@@ -263,6 +322,7 @@ def test_a_runtime_serves_a_config_unless_its_keys_or_publishers_change(change: 
         ({"speculativeTTL": "soon"}, "speculativeTTL: invalid duration"),
         ({"speculativeHold": "later"}, "speculativeHold: invalid duration"),
         ({"blockSize": 16}, "blockSize: unknown parameter"),
+        ({"prefixCachingHashAlgo": "md5"}, "prefixCachingHashAlgo: must be one of own, sha256_cbor, sha256"),
     ],
 )
 def test_bad_parameters_are_named(parameters: dict, message: str) -> None:
@@ -281,3 +341,4 @@ def test_parameters_have_the_documented_defaults() -> None:
     )
     assert (parsed.weights.gpu, parsed.weights.cpu, parsed.speculative_ttl, parsed.block_size) == (1.0, 0.5, 0.5, 16)
     assert parsed.speculative_hold == 60.0
+    assert (parsed.hash_algorithm, parsed.hash_seed) == ("own", "vllm-none-hash")

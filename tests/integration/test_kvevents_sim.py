@@ -3,7 +3,8 @@
 Each pod's cache (`GET /sim/cache`) is the ground truth: the index must hold exactly the same
 engine blocks, and score every prompt exactly as the pod's cached prefix, through eviction
 (a small cache), lost messages (with and without the replay socket) and crashes
-(AllBlocksCleared), in both event encodings.
+(AllBlocksCleared), in every event encoding, keyed by the picker's own hashes or by the
+engines' (vLLM's sha256_cbor with the sims' seed).
 """
 
 from __future__ import annotations
@@ -27,13 +28,29 @@ from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
 from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
+from picker.kvevents.vllm_hash import SHA256_CBOR, VllmBlockHasher, external
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.telemetry import metrics
-from picker_sim.kvcache import block_hashes as sim_block_hashes
+from tests.routing import Router, completion
 
 MODEL = "sim-model"
 BLOCK = 16
-HOSTS = {"positional": ("127.0.0.2", "127.0.0.3"), "map": ("127.0.0.4", "127.0.0.5")}
+SEED = "42"  # the sims' --hash-seed (vLLM's PYTHONHASHSEED)
+HOSTS = {
+    "array": ("127.0.0.8", "127.0.0.9"),
+    "positional": ("127.0.0.2", "127.0.0.3"),
+    "map": ("127.0.0.4", "127.0.0.5"),
+}
+ENGINE_HASHER = VllmBlockHasher(SHA256_CBOR, SEED)
+
+
+def engine_keys(prompt: list[int]) -> list[int]:
+    """The sims' block hashes of `prompt`: vLLM's sha256_cbor chain."""
+    return [external(d) for d in ENGINE_HASHER.digests(prompt, BLOCK)]
+
+
+def own_keys(prompt: list[int]) -> list[int]:
+    return token_block_hashes(prompt, BLOCK, chain_seed(MODEL))
 
 
 @dataclass
@@ -85,6 +102,8 @@ def _start_sim(encoding: str) -> tuple[subprocess.Popen[str], int, int]:
             str(replay_port),
             "--kv-events-format",
             encoding,
+            "--hash-seed",
+            SEED,
             "--profile",
             "tiny",
             "--time-scale",
@@ -153,6 +172,7 @@ class Client:
     def __init__(self, http: aiohttp.ClientSession, index: PreciseIndex) -> None:
         self.http = http
         self.index = index
+        self.keys = engine_keys if index.engine_keys else own_keys  # a request's keys in the index
 
     async def complete(self, pod: Endpoint, prompt: list[int]) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
@@ -196,12 +216,12 @@ class Client:
         assert self.index.is_known(pod.address)
         for prompt in prompts:
             cached = 0
-            for h in sim_block_hashes(prompt, BLOCK):
+            for h in engine_keys(prompt):
                 if h not in truth:
                     break
                 cached += 1
-            own = token_block_hashes(prompt, BLOCK, chain_seed(MODEL))
-            assert self.index.score(own, [pod.address]) == [cached / len(own)]
+            keys = self.keys(prompt)
+            assert self.index.score(keys, [pod.address]) == [cached / len(keys)]
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -220,10 +240,14 @@ async def _subscribe(sim: Sim, index: PreciseIndex, replay: bool) -> KVEventSubs
     return subscriber
 
 
-@pytest.mark.parametrize("encoding", ["positional", "map"])
-async def test_index_mirrors_sim_pods_through_eviction_gaps_and_crashes(sims: dict[str, Sim], encoding: str) -> None:
+@pytest.mark.parametrize(
+    ("encoding", "by_engine_keys"), [("array", False), ("array", True), ("positional", False), ("map", True)]
+)
+async def test_index_mirrors_sim_pods_through_eviction_gaps_and_crashes(
+    sims: dict[str, Sim], encoding: str, by_engine_keys: bool
+) -> None:
     sim = sims[encoding]
-    index = PreciseIndex(BLOCK)
+    index = PreciseIndex(BLOCK, engine_keys=by_engine_keys)
     subscriber = await _subscribe(sim, index, replay=True)
     pod0, pod1 = sim.pods
     work = prompts(1)
@@ -254,7 +278,7 @@ async def test_index_mirrors_sim_pods_through_eviction_gaps_and_crashes(sims: di
         await subscriber.stop()
 
 
-@pytest.mark.parametrize("encoding", ["positional", "map"])
+@pytest.mark.parametrize("encoding", ["array", "map"])
 async def test_a_gap_without_replay_excludes_the_pod_until_its_cache_is_cleared(
     sims: dict[str, Sim], encoding: str
 ) -> None:
@@ -282,3 +306,41 @@ async def test_a_gap_without_replay_excludes_the_pod_until_its_cache_is_cleared(
             await client.assert_mirrors(pod, work)
     finally:
         await subscriber.stop()
+
+
+@pytest.mark.parametrize("hashing", ["own", "sha256_cbor"])
+async def test_a_request_goes_to_the_pod_whose_events_stored_its_prefix(sims: dict[str, Sim], hashing: str) -> None:
+    """The scorer from its config, on vLLM-exact events (array layout, sha256_cbor hashes): a
+    prompt one pod computed routes there, keyed by the picker's own hashes or the engines'."""
+    sim = sims["array"]
+    datastore = Datastore()
+    datastore.set_endpoints(sim.pods)
+    router = Router(datastore)
+    parameters = (
+        f"{{kvEventsPort: {sim.kv_port}, kvEventsReplayPort: {sim.replay_port}, modelName: {MODEL}, "
+        f"blockSizeTokens: {BLOCK}, speculativeTTL: 0, prefixCachingHashAlgo: {hashing}, hashSeed: '{SEED}'}}"
+    )
+    runtime = router.runtimes.load_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
+        f"- type: precise-prefix-cache-scorer\n  parameters: {parameters}\n- type: max-score-picker\n"
+        "schedulingProfiles:\n- name: default\n"
+        "  plugins: [{pluginRef: precise-prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"
+    )
+    scorer = runtime.plugins["precise-prefix-cache-scorer"]
+    prompt = prompts(3)[0]
+    try:
+        await router.runtimes.start()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+            client = Client(http, scorer.index)
+            for pod in sim.pods:  # start from empty caches, so the index knows each pod whole
+                await client.crash(pod)
+            holder = sim.pods[1]
+            await client.complete(holder, prompt)
+            await client.assert_mirrors(holder, [prompt])
+        result = await router.pick(completion(prompt, MODEL), f"r-{hashing}")
+        assert result.targets[0].address == holder.address
+        ranked = result.profile_results["default"]
+        scores = dict(zip((c.address for c in ranked.candidates), ranked.scores[scorer.name]))
+        assert scores == {sim.pods[0].address: 0.0, holder.address: 1.0}
+    finally:
+        await router.runtimes.stop()

@@ -62,12 +62,28 @@ def test_distinct_hosts_put_each_pod_on_its_own_address() -> None:
         assert stop_process(proc) == 0
 
 
+def test_kv_events_endpoint_with_a_star_binds_each_pod_like_vllm() -> None:
+    proc, lines = start_sim(
+        ["--pods", "2", "--host", "127.0.0.13", "--base-port", "0", "--distinct-hosts", "--profile", "tiny"]
+        + ["--kv-events-endpoint", "tcp://*:0"]
+    )
+    try:
+        matches = [LINE.match(line) for line in lines]
+        assert [m.group(4) for m in matches if m] == ["127.0.0.13", "127.0.0.14"]  # each pod's own address
+    finally:
+        assert stop_process(proc) == 0
+
+
 def test_bad_flags_give_a_clear_error_not_a_traceback() -> None:
     for args, text in (
         (["--pods", "0"], "--pods must be at least 1"),
         (["--host", "localhost"], "IPv4 address"),
         (["--error-rate", "3"], "fraction"),
         (["--tokenizer", "/no/such/dir", "--base-port", "0"], "/no/such/dir"),
+        (["--kv-events-endpoint", "ipc:///tmp/kv"], "binds only as tcp://*:PORT"),
+        (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-base-port", "5557"], "without --kv-events-base-port"),
+        (["--kv-events-endpoint", "udp://10.0.0.1:5557"], "must be a tcp:// endpoint"),
+        (["--prefix-caching-hash-algo", "md5"], "invalid choice"),
     ):
         result = subprocess.run(
             [sys.executable, "-m", "picker.cli", "sim", *args], capture_output=True, text=True, timeout=30

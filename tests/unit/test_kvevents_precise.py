@@ -239,6 +239,25 @@ def test_forget_drops_an_endpoint() -> None:
     assert idx.score(own(PROMPT), [A]) == [0.0]
 
 
+def test_engine_keys_are_the_events_hashes_whatever_the_parent_or_tokens() -> None:
+    idx = index(engine_keys=True)
+    hashes = engine_hashes(PROMPT, 4)
+    idx.apply(A, stored(PROMPT, first=4))  # a chain joined mid-stream: its parent never seen
+    assert idx.own_keys(A) == dict.fromkeys(hashes[4:], GPU)
+    idx.apply(A, stored(PROMPT))
+    assert idx.score(hashes, [A, B]) == [1.0, 0.0]
+    idx.apply(A, BlockStored(tuple(hashes[:2]), None, (), 4, medium="CPU"))  # offloaded: no tokens
+    idx.apply(A, BlockRemoved(tuple(hashes[:2])))  # evicted from the GPU, still on CPU
+    assert idx.score(hashes, [A]) == [pytest.approx((2 * 0.8 + 6) / 8)]
+    idx.apply(A, BlockRemoved(tuple(hashes[2:4])))
+    assert idx.score(hashes, [A]) == [pytest.approx(2 * 0.8 / 8)]
+    idx.apply(B, stored(PROMPT, size=8))  # another block size: its keys cannot match a request's
+    assert idx.own_keys(B) == {}
+    idx.record_scope(A, PROMPT, MODEL, "salt")  # the engine's keys carry its scope already
+    idx.apply(A, AllBlocksCleared())
+    assert idx.own_keys(A) == {} and idx.models == {MODEL}
+
+
 def test_a_stored_block_with_an_unknown_parent_is_not_guessed() -> None:
     idx = index()
     idx.apply(A, stored(PROMPT, first=4))  # its parent was never seen
