@@ -35,6 +35,37 @@ CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
 MAX_TARGET_PORTS = 8  # the InferencePool v1 CRD's maxItems
 
 
+def start_reference_epp(
+    binary: Path, kubeconfig: Path, pool: str, namespace: str, grpc_port: int, tls: bool, log_dir: Path
+) -> ManagedProcess:
+    """The reference `epp` for pool namespace/name, with `kubeconfig`'s credentials, serving
+    ext_proc on `grpc_port`; returns once its health service says SERVING."""
+    health, metrics = free_port(), free_port()
+    argv = [
+        str(binary),
+        "--pool-name",
+        pool,
+        "--pool-namespace",
+        namespace,
+        "--grpc-port",
+        str(grpc_port),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        f"--secure-serving={str(tls).lower()}",
+        # pprof's block and mutex profiling cost it about 30% CPU per request; tracing is off in
+        # its chart's defaults, and metrics auth would only add TokenReviews at scrape time.
+        "--enable-pprof=false",
+        "--tracing=false",
+        "--metrics-endpoint-auth=false",
+    ]
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    process = ManagedProcess("reference-epp", argv, log_dir, env=env).start()
+    process.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
+    return process
+
+
 class ReferenceEpp:
     """The control plane and the reference EPP over it; `start()` returns once it serves."""
 
@@ -60,31 +91,9 @@ class ReferenceEpp:
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
             create_pod(api, NAMESPACE, "bench-backend", POD_LABELS)
             set_pod_ready(api, NAMESPACE, "bench-backend", self.host)
-        health, metrics = free_port(), free_port()
-        argv = [
-            str(self.binary),
-            "--pool-name",
-            POOL,
-            "--pool-namespace",
-            NAMESPACE,
-            "--grpc-port",
-            str(self.grpc_port),
-            "--grpc-health-port",
-            str(health),
-            "--metrics-port",
-            str(metrics),
-            f"--secure-serving={str(self.tls).lower()}",
-            # pprof's block and mutex profiling cost it about 30% CPU per request; tracing is off in
-            # its chart's defaults, and metrics auth would only add TokenReviews at scrape time.
-            "--enable-pprof=false",
-            "--tracing=false",
-            "--metrics-endpoint-auth=false",
-        ]
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.admin_kubeconfig)}
         started = time.monotonic()
-        self.process = ManagedProcess("reference-epp", argv, self.log_dir, env=env).start()
-        self.process.wait_ready(
-            lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", self.grpc_port), timeout=60
+        self.process = start_reference_epp(
+            self.binary, self.cluster.admin_kubeconfig, POOL, NAMESPACE, self.grpc_port, self.tls, self.log_dir
         )
         self.startup_seconds = time.monotonic() - started
         return self

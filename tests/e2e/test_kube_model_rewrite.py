@@ -34,14 +34,17 @@ ADAPTERS = ("chat-v1", "chat-v2")
 
 
 @pytest.fixture(scope="module")
-def gateway(admin_api, picker_release, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Picker, str]]:
-    """Two simulated vLLM pods (base model `base`, both adapters loadable) in the chart's pool,
-    and the picker for it behind Envoy."""
+def pods(admin_api, picker_release) -> Iterator[list[str]]:
+    """Two simulated vLLM pods (base model `base`, both adapters loadable) in the chart's pool."""
     sim_flags = ("--profile", "tiny", "--time-scale", "100", "--model", "base", "--max-loras", "2", "--lora-modules")
-    with (
-        sim_pool(admin_api, picker_release, "rewrite", *sim_flags, *ADAPTERS),
-        release_gateway(picker_release, tmp_path_factory.mktemp("gateway-rewrite"), "rewrite") as gateway,
-    ):
+    with sim_pool(admin_api, picker_release, "rewrite", *sim_flags, *ADAPTERS) as addresses:
+        yield addresses
+
+
+@pytest.fixture(scope="module")
+def gateway(picker_release, pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Picker, str]]:
+    """The picker for the pool, behind Envoy."""
+    with release_gateway(picker_release, tmp_path_factory.mktemp("gateway-rewrite"), "rewrite") as gateway:
         yield gateway
 
 
