@@ -13,7 +13,6 @@ stream feeds with what it sees of the response (through methods) and finishes ex
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
@@ -506,7 +505,7 @@ class Director:
         if counter is None:
             counter = self._rewrite_series[key] = metrics.MODEL_REWRITE_DECISIONS.labels(*key)
         counter.inc()
-        return dataclasses.replace(request, target_model=target)
+        return request.with_target_model(target)
 
     def _candidates_or_none(self, subset: Sequence[str] | None) -> list[EndpointState] | None:
         try:

@@ -4,6 +4,7 @@ scheduling (forwarded body, scorers, the rewrite header, metrics)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -17,7 +18,7 @@ from picker.config.runtime import RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
 from picker.discovery.kube_objects import pool_model_rewrites
-from picker.request.openai import MODEL_REWRITE_HEADER
+from picker.request.openai import MODEL_REWRITE_HEADER, parse_request
 from picker.requestcontrol.director import Director
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -227,3 +228,13 @@ async def test_a_change_is_a_new_value_used_by_the_next_request() -> None:
     routed = await director.route(body, headers, None)
     routed.finish()
     assert routed.body == body  # forwarded as it came
+
+
+def test_a_request_with_another_target_model_is_otherwise_the_same() -> None:
+    headers = {":path": "/v1/chat/completions", "x-tenant": "t"}
+    body = b'{"model":"chat","messages":[{"role":"user","content":"hi"}],"stream":true,"cache_salt":"s"}'
+    request = parse_request(body, headers, "id-1", "x-tenant")
+    rewritten = request.with_target_model("chat-v2")
+    assert rewritten == dataclasses.replace(request, target_model="chat-v2")
+    assert (rewritten.body, rewritten.headers) == (request.body, request.headers)  # not compared by ==
+    assert request.target_model == "chat"
