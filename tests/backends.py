@@ -1,7 +1,8 @@
 """Small real HTTP model-server stand-ins for the integration tests.
 
 Each listens on its own 127.0.0.x address and says who it is: the `x-backend` header and the
-`backend` field of a JSON answer, which also echoes the request body's length and SHA-256.
+`backend` field of a JSON answer, which also echoes the request body's length and SHA-256 and the
+`model` it named (as `received_model`: a key no model-name rewrite of the response touches).
 A request with `"stream": true` gets an SSE stream ending in a usage chunk and `[DONE]`.
 
 Run: python -m tests.backends ADDRESS [ADDRESS ...]   (prints `ready` once all listen)
@@ -54,6 +55,7 @@ def make_app(address: str) -> web.Application:
             "path": request.path,
             "body_len": len(body),
             "body_sha256": hashlib.sha256(body).hexdigest(),
+            "received_model": payload.get("model") if isinstance(payload, dict) else None,
             "headers": {k.lower(): v for k, v in request.headers.items()},
             "object": "text_completion",
             "usage": usage_for(body),

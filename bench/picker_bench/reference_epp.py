@@ -52,6 +52,56 @@ class ReferenceUnavailableError(RuntimeError):
     pass
 
 
+def start_reference_epp(
+    binary: Path,
+    kubeconfig: Path,
+    pool: str,
+    namespace: str,
+    grpc_port: int,
+    tls: bool,
+    log_dir: Path,
+    *,
+    config_file: Path | None = None,
+    name: str = "reference-epp",
+    metrics_port: int | None = None,
+    on_spawn: Callable[[int, str], None] | None = None,
+) -> ManagedProcess:
+    """The reference `epp` for pool namespace/name, with `kubeconfig`'s credentials, serving
+    ext_proc on `grpc_port`; returns once its health service says SERVING. `config_file` is its
+    EndpointPickerConfig (None: its built-in default); `on_spawn(pid, "reference-epp")` hears of
+    the process the moment it exists."""
+    health = free_port()
+    argv = [
+        str(binary),
+        "--pool-name",
+        pool,
+        "--pool-namespace",
+        namespace,
+        "--grpc-port",
+        str(grpc_port),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics_port or free_port()),
+        f"--secure-serving={str(tls).lower()}",
+        # pprof's block and mutex profiling cost it about 30% CPU per request; tracing is off in
+        # its chart's defaults, and metrics auth would only add TokenReviews at scrape time.
+        "--enable-pprof=false",
+        "--tracing=false",
+        "--metrics-endpoint-auth=false",
+    ]
+    # Its metric names need no flags (v1.5.0 refuses the old ones): the built-in vLLM engine
+    # config reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as the sim serves.
+    if config_file is not None:
+        argv += ["--config-file", str(config_file)]
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    process = ManagedProcess(name, argv, log_dir, env=env).start()
+    if on_spawn is not None:
+        on_spawn(process.pid, "reference-epp")
+    process.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
+    return process
+
+
 def _go() -> str:
     go = os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go"
     if not os.access(go, os.X_OK):
@@ -148,37 +198,19 @@ class ReferenceEpp:
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
             create_pod(api, NAMESPACE, "bench-backend", POD_LABELS)
             set_pod_ready(api, NAMESPACE, "bench-backend", self.host)
-        health = free_port()
-        argv = [
-            str(self.binary),
-            "--pool-name",
-            POOL,
-            "--pool-namespace",
-            NAMESPACE,
-            "--grpc-port",
-            str(self.grpc_port),
-            "--grpc-health-port",
-            str(health),
-            "--metrics-port",
-            str(self.metrics_port),
-            f"--secure-serving={str(self.tls).lower()}",
-            # pprof's block and mutex profiling cost it about 30% CPU per request; tracing is off in
-            # its chart's defaults, and metrics auth would only add TokenReviews at scrape time.
-            "--enable-pprof=false",
-            "--tracing=false",
-            "--metrics-endpoint-auth=false",
-        ]
-        # Its metric names need no flags (v1.5.0 refuses the old ones): the built-in vLLM engine
-        # config reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as the sim serves.
-        if self.config_file is not None:
-            argv += ["--config-file", str(self.config_file)]
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.admin_kubeconfig)}
         started = time.monotonic()
-        self.process = ManagedProcess(self.name, argv, self.log_dir, env=env).start()
-        if self.on_spawn is not None:
-            self.on_spawn(self.process.pid, "reference-epp")
-        self.process.wait_ready(
-            lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", self.grpc_port), timeout=60
+        self.process = start_reference_epp(
+            self.binary,
+            self.cluster.admin_kubeconfig,
+            POOL,
+            NAMESPACE,
+            self.grpc_port,
+            self.tls,
+            self.log_dir,
+            config_file=self.config_file,
+            name=self.name,
+            metrics_port=self.metrics_port,
+            on_spawn=self.on_spawn,
         )
         self.startup_seconds = time.monotonic() - started
         return self

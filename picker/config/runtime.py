@@ -5,8 +5,9 @@ implement, its scheduler and its data-layer settings. It runs nothing itself: th
 (`picker.requestcontrol`) runs the hooks per request. The request path reads `holder.current`
 once per request and uses that runtime throughout, so a reload never mixes two configs within
 one request; swapping is one attribute assignment on the event loop, hence atomic. A runtime is
-immutable once built; the InferenceObjective priorities are a value of their own
-(`RuntimeHolder.objectives`), swapped the same way, that the request path reads beside it.
+immutable once built; the InferenceObjective priorities and the InferenceModelRewrite rules are
+values of their own (`RuntimeHolder.objectives`, `RuntimeHolder.model_rewrites`), swapped the
+same way, that the request path reads beside it.
 
 A reload builds the new runtime completely (a failed build changes nothing), installs it, then
 starts its background work, stops the old runtime's and releases the persistent objects the new
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from picker.config.flowcontrol import flow_control_settings
 from picker.config.loader import DEFAULT_SCORER_WEIGHT, build, default_config, parse_text, to_document, to_yaml
+from picker.config.model_rewrites import ModelRewrites
 from picker.config.objectives import Objectives
 from picker.config.schema import ConfigError, EndpointPickerConfig, ProfilePluginRef
 from picker.datalayer.plugins import CoreMetricsExtractor, DataSource, MetricsDataSource
@@ -227,9 +229,10 @@ class RuntimeHolder:
     """Holds the current `Runtime`; builds, installs, reloads and watches configs.
 
     State that must outlive a reload is kept here: the objectives (`objectives`, swapped whole
-    by `set_objectives`), the decision log and the plugins' persistent objects. Background work
-    runs only between `start()` and `stop()` (on the server's event loop); `on_install` runs
-    after each installed runtime's activation (the data layer follows the config through it).
+    by `set_objectives`), the model rewrites (`model_rewrites`, by `set_model_rewrites`), the
+    decision log and the plugins' persistent objects. Background work runs only between
+    `start()` and `stop()` (on the server's event loop); `on_install` runs after each installed
+    runtime's activation (the data layer follows the config through it).
     """
 
     def __init__(
@@ -245,6 +248,7 @@ class RuntimeHolder:
         self.on_install = on_install
         self.objects = PersistentObjects()
         self.objectives = Objectives()  # read by the request path with `current`, once per request
+        self.model_rewrites = ModelRewrites()  # likewise
         self._source_hash: bytes | None = None
         self._started = False
         self._activations: set[asyncio.Task[None]] = set()
@@ -391,6 +395,12 @@ class RuntimeHolder:
         """Replace the InferenceObjective priorities (`{name: priority}`, None = unset = 0):
         a new `objectives` value, swapped in as a runtime is; the runtimes are not touched."""
         self.objectives = Objectives.of(objectives)
+
+    def set_model_rewrites(self, resources: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the InferenceModelRewrite rules with those of `resources` (this pool's, as
+        decoded JSON), merged into a new `model_rewrites` value swapped in whole."""
+        self.model_rewrites = ModelRewrites.of(resources)
+        log.info("InferenceModelRewrites: %d in force", len(resources))
 
     async def watch(self, path: str | Path, interval: float = WATCH_INTERVAL_SECONDS) -> None:
         """Reload `path` whenever its content changes, until cancelled.

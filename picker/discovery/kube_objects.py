@@ -1,7 +1,8 @@
 """Reading Kubernetes objects (as decoded JSON) into what the picker needs.
 
 Pure functions: InferencePool specs in both API versions, pods into endpoints, InferenceObjective
-priorities, and the EndpointPickerConfig text held in a ConfigMap.
+priorities, the InferenceModelRewrites of a pool, and the EndpointPickerConfig text held in a
+ConfigMap.
 """
 
 from __future__ import annotations
@@ -172,6 +173,19 @@ def objective_priorities(objectives: Iterable[Mapping[str, Any]], pool_name: str
         priority = spec.get("priority")
         result[obj["metadata"]["name"]] = priority if isinstance(priority, int) else 0
     return result
+
+
+def pool_model_rewrites(
+    rewrites: Iterable[Mapping[str, Any]], pool_name: str, pool_group: str
+) -> list[Mapping[str, Any]]:
+    """The InferenceModelRewrites whose poolRef names this pool, by name and group (the group
+    defaults to inference.networking.k8s.io), as the reference's reconciler filters them."""
+    result = []
+    for rewrite in rewrites:
+        pool_ref = (rewrite.get("spec") or {}).get("poolRef") or {}
+        if pool_ref.get("name") == pool_name and pool_ref.get("group", POOL_GROUP_V1) == pool_group:
+            result.append(rewrite)
+    return sorted(result, key=lambda r: str(r["metadata"]["name"]))
 
 
 def config_map_text(config_map: Mapping[str, Any], key: str | None) -> str | None:

@@ -1,10 +1,11 @@
 """Endpoint discovery from the Kubernetes API: an InferencePool (or a plain label selector) and
-its pods, InferenceObjectives, and the ConfigMap holding the EndpointPickerConfig (its text as
-first read, for the start: `config_text`; every change after: `on_config_text`).
+its pods, InferenceObjectives, InferenceModelRewrites, and the ConfigMap holding the
+EndpointPickerConfig (its text as first read, for the start: `config_text`; every change after:
+`on_config_text`).
 
 Each watched kind runs in a `KubeReflector` thread; results arrive on the event loop, where this
 class turns them into `Datastore.set_endpoints` calls and the `on_objectives` /
-`on_config_text` callbacks. Nothing here blocks the loop.
+`on_model_rewrites` / `on_config_text` callbacks. Nothing here blocks the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from picker.discovery.kube_objects import (
     objective_priorities,
     parse_pool_spec,
     pod_endpoints,
+    pool_model_rewrites,
     pool_version,
     validate_target_ports,
 )
@@ -87,6 +89,7 @@ class KubernetesDiscovery:
         endpoint_target_ports: Sequence[int] = (),
         kubeconfig: str | None = None,
         on_objectives: Callable[[dict[str, int]], None] | None = None,
+        on_model_rewrites: Callable[[list[Mapping[str, Any]]], None] | None = None,
         config_map: str | None = None,
         config_map_key: str | None = None,
         on_config_text: Callable[[str], None] | None = None,
@@ -109,6 +112,7 @@ class KubernetesDiscovery:
         self._pool_group = pool_group
         self._kubeconfig = kubeconfig
         self._on_objectives = on_objectives
+        self._on_model_rewrites = on_model_rewrites
         self._config_map = config_map
         self._config_map_key = config_map_key
         self._on_config_text = on_config_text
@@ -120,11 +124,12 @@ class KubernetesDiscovery:
         self._spec: PoolSpec | None = None
         self._pods: Objects = {}
         self._objectives: dict[str, int] | None = None
+        self._model_rewrites: list[Mapping[str, Any]] | None = None
         self._config_text: str | None = None
         self._config_problem: str | None = None  # why the ConfigMap holds no config, when it does not
         self._config_seen = asyncio.Event()  # the ConfigMap exists and has been read
         self._config_map_missing_logged = False
-        self._objectives_task: asyncio.Task[None] | None = None
+        self._optional_watches: list[asyncio.Task[None]] = []  # watches of CRDs that may be missing
         self._stopped = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -149,7 +154,9 @@ class KubernetesDiscovery:
                 self._on_pools,
             )
             if self._on_objectives is not None:
-                self._objectives_task = asyncio.create_task(self._watch_objectives_if_served())
+                self._watch_if_served("InferenceObjective", "priorities default to 0", self._on_objectives_changed)
+            if self._on_model_rewrites is not None:
+                self._watch_if_served("InferenceModelRewrite", "no model is rewritten", self._on_model_rewrites_changed)
         if self._config_map:
             core = client.CoreV1Api(self._api)
             self._start_reflector(
@@ -166,9 +173,9 @@ class KubernetesDiscovery:
     async def stop(self) -> None:
         """Stop every watch thread and wait (briefly) for them to end."""
         self._stopped.set()
-        if self._objectives_task is not None:
-            self._objectives_task.cancel()
-            await asyncio.gather(self._objectives_task, return_exceptions=True)
+        for task in self._optional_watches:
+            task.cancel()
+        await asyncio.gather(*self._optional_watches, return_exceptions=True)
         reflectors, self._reflectors = self._reflectors, []
         self._pod_reflector = None
         for reflector in reflectors:
@@ -278,6 +285,13 @@ class KubernetesDiscovery:
             self._objectives = priorities
             self._on_objectives(dict(priorities))
 
+    def _on_model_rewrites_changed(self, objects: Objects) -> None:
+        assert self._on_model_rewrites is not None and self._pool_name is not None
+        rewrites = pool_model_rewrites(objects.values(), self._pool_name, self._pool_group)
+        if rewrites != self._model_rewrites:
+            self._model_rewrites = rewrites
+            self._on_model_rewrites(list(rewrites))
+
     async def config_text(self) -> str:
         """The watched ConfigMap's EndpointPickerConfig text, once the ConfigMap has been read:
         waits while it does not exist; raises ConfigMapError if it holds no config."""
@@ -307,31 +321,29 @@ class KubernetesDiscovery:
             if self._on_config_text is not None:
                 self._on_config_text(text)
 
-    async def _watch_objectives_if_served(self) -> None:
-        """Watch InferenceObjectives only when their CRD is installed (not an error otherwise)."""
-        served = await asyncio.to_thread(self._objectives_served)
-        if self._stopped.is_set():
-            return
-        if not served:
-            log.info(
-                "InferenceObjective CRD (%s/%s) is not installed: priorities default to 0",
-                OBJECTIVE_GROUP,
-                OBJECTIVE_VERSION,
-            )
-            return
-        self._start_reflector(
-            "inferenceobjective",
-            self._custom_list_call(OBJECTIVE_GROUP, OBJECTIVE_VERSION, "inferenceobjectives"),
-            self._on_objectives_changed,
-        )
+    def _watch_if_served(self, kind: str, without: str, on_change: Callable[[Objects], None]) -> None:
+        """Watch `kind` (of the InferenceObjective API group) only when its CRD is installed;
+        otherwise log what that means (`without`), which is not an error."""
+        plural = kind.lower() + "s"
 
-    def _objectives_served(self) -> bool:
-        """Ask API discovery whether inferenceobjectives are served; retries until it answers."""
+        async def watch() -> None:
+            served = await asyncio.to_thread(self._served, plural)
+            if self._stopped.is_set():
+                return
+            if not served:
+                log.info("%s CRD (%s/%s) is not installed: %s", kind, OBJECTIVE_GROUP, OBJECTIVE_VERSION, without)
+                return
+            self._start_reflector(plural, self._custom_list_call(OBJECTIVE_GROUP, OBJECTIVE_VERSION, plural), on_change)
+
+        self._optional_watches.append(asyncio.create_task(watch()))
+
+    def _served(self, plural: str) -> bool:
+        """Ask API discovery whether `plural` is served; retries until it answers."""
         api = client.CustomObjectsApi(self._api)
         while not self._stopped.is_set():
             try:
                 resources = api.get_api_resources(OBJECTIVE_GROUP, OBJECTIVE_VERSION, _request_timeout=5.0)
-                return any(r.name == "inferenceobjectives" for r in resources.resources)
+                return any(r.name == plural for r in resources.resources)
             except client.ApiException as exc:
                 if exc.status == 404:
                     return False

@@ -39,7 +39,7 @@ class InferenceRequest:
     request_id: str
     api: Api
     model: str  # as the client sent it
-    target_model: str  # after the model-name rewrite header
+    target_model: str  # after the model-name rewrite header and InferenceModelRewrites
     stream: bool = False
     cache_salt: str | None = None
     prompt_text: str | None = None
@@ -51,6 +51,15 @@ class InferenceRequest:
     fairness_id: str = "default-flow"
     tenant: str | None = None  # from the configured tenant header, when set
     size_bytes: int = 0
+
+    def with_target_model(self, target_model: str) -> InferenceRequest:
+        """This request with another `target_model` (an InferenceModelRewrite's choice). Copied
+        slot by slot: on the request path, where `dataclasses.replace` costs twice as much."""
+        copy = object.__new__(InferenceRequest)
+        for name in InferenceRequest.__slots__:
+            object.__setattr__(copy, name, getattr(self, name))
+        object.__setattr__(copy, "target_model", target_model)
+        return copy
 
     def prompt_chars(self) -> int:
         """Prompt size in characters (token ids count 4 each), for load estimates."""

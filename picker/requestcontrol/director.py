@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
+from picker.config.model_rewrites import ModelRewrites
 from picker.config.runtime import Runtime, RuntimeHolder
 from picker.datastore.endpoint import Endpoint, EndpointState, join_host_port, split_host_port
 from picker.datastore.store import Datastore
@@ -335,6 +336,7 @@ class Director:
         self.tenant_header = tenant_header
         self._series: dict[tuple[str, str], _ModelSeries] = {}
         self._endpoint_series: dict[str, tuple[Any, Any]] = {}  # address → (routed counter, in-flight gauge)
+        self._rewrite_series: dict[tuple[str, str, str], Any] = {}  # (resource, model, target) → counter
         datastore.add_listener(self._forget_endpoints)
         self.flow_control = FlowController(
             lambda: self.runtimes.current.flow_control,
@@ -452,6 +454,9 @@ class Director:
         started = perf_counter() if log_request else 0.0
         runtime, objectives = self.runtimes.current, self.runtimes.objectives
         request = runtime.parser.parse(body, headers, request_id, self.tenant_header)
+        rewrites = self.runtimes.model_rewrites
+        if rewrites and request.model:  # a parser that reads no model (gRPC, passthrough) gets none
+            request = self._rewrite_model(rewrites, request)
         priority = objectives.priority(request)
         if trace is not None:
             trace.parsed(request, priority)
@@ -486,6 +491,21 @@ class Director:
                 )
         # -- end of flow control
         return await self._schedule(runtime, request, priority, body, subset, started, log_request, trace)
+
+    def _rewrite_model(self, rewrites: ModelRewrites, request: InferenceRequest) -> InferenceRequest:
+        """The request with the target model its InferenceModelRewrite rule chose (over the
+        rewrite header, as in the reference), so scorers, LoRA affinity, the prefix scope and
+        the forwarded body all see it; unchanged when no rule applies."""
+        rule = rewrites.rule_for(request.model)
+        target = None if rule is None else rule.choose(request.request_id)
+        if rule is None or target is None:
+            return request
+        key = (rule.resource, request.model, target)
+        counter = self._rewrite_series.get(key)
+        if counter is None:
+            counter = self._rewrite_series[key] = metrics.MODEL_REWRITE_DECISIONS.labels(*key)
+        counter.inc()
+        return request.with_target_model(target)
 
     def _candidates_or_none(self, subset: Sequence[str] | None) -> list[EndpointState] | None:
         try:

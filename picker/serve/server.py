@@ -118,6 +118,7 @@ class PickerServer:
                 endpoint_target_ports=options.endpoint_target_ports,
                 kubeconfig=options.kubeconfig,
                 on_objectives=self.runtimes.set_objectives if options.pool_name else None,
+                on_model_rewrites=self.runtimes.set_model_rewrites if options.pool_name else None,
                 config_map=options.config_map,
                 on_config_text=self._config_map_changed,
             )

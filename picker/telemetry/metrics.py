@@ -162,6 +162,11 @@ SCHEDULER_E2E = Histogram(
 SCHEDULER_ATTEMPTS = Counter(
     "inference_extension_scheduler_attempts", "Scheduling attempts by outcome.", ("status", "target_model_name")
 )
+MODEL_REWRITE_DECISIONS = Counter(
+    "inference_extension_model_rewrite_decisions",
+    "Requests whose model an InferenceModelRewrite rewrote, by resource, requested and target model.",
+    ("model_rewrite_name", "model_name", "target_model"),
+)
 PLUGIN_DURATION = Histogram(
     "inference_extension_plugin_duration_seconds",
     "Time spent in each plugin (one request in eight is timed; see PLUGIN_TIMING_SAMPLE).",

@@ -526,15 +526,15 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
         (role,) = [d for d in by_kind(docs, "Role") if d["metadata"]["name"] == "rel-epp"]
         return role["rules"]
 
+    def resources(values: dict[str, Any]) -> set[str]:
+        return {resource for rule in rules(values) for resource in rule["resources"]}
+
     for rule in rules({}):
         assert set(rule["verbs"]) == {"get", "list", "watch"}, rule
-    assert {r["resources"][0] for r in rules({})} == {"pods", "inferencepools", "inferenceobjectives", "configmaps"}
-    assert {r["resources"][0] for r in rules({"inferenceExtension": {"configSource": "file"}})} == {
-        "pods",
-        "inferencepools",
-        "inferenceobjectives",
-    }
-    assert {r["resources"][0] for r in rules({"inferencePool": {"standalone": True}})} == {"pods", "configmaps"}
+    pool_kinds = {"inferencepools", "inferenceobjectives", "inferencemodelrewrites"}
+    assert resources({}) == {"pods", *pool_kinds, "configmaps"}
+    assert resources({"inferenceExtension": {"configSource": "file"}}) == {"pods", *pool_kinds}
+    assert resources({"inferencePool": {"standalone": True}}) == {"pods", "configmaps"}
     legacy = rules({"inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"}})
     assert [r["apiGroups"] for r in legacy if r["resources"] == ["inferencepools"]] == [
         ["inference.networking.x-k8s.io"]

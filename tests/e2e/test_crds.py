@@ -1,20 +1,25 @@
 """The CRDs in manifests/crds, applied to the real API server: valid objects (the examples in
-manifests/examples among them) are accepted, invalid ones rejected by the schema's validation."""
+manifests/examples among them, and the reference's own InferenceModelRewrites) are accepted,
+invalid ones rejected by the schema's validation."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from picker_bench.kube_resources import load_documents, pool_body
+from picker_bench.reference_epp import ReferenceUnavailableError, reference_dir
 from tests.e2e.conftest import ROOT
 from tests.e2e.kube_resources import create_namespace
 
 V1 = ("inference.networking.k8s.io", "v1", "inferencepools")
 LEGACY = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools")
 OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives")
+REWRITES = ("inference.networking.x-k8s.io", "v1alpha2", "inferencemodelrewrites")
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +42,15 @@ def v1_pool(name: str, **spec: Any) -> dict[str, Any]:
 
 def test_example_pool_and_objectives_are_accepted(admin_api, namespace) -> None:
     examples = ROOT / "manifests" / "examples"
-    for doc in load_documents([examples / "inferencepool.yaml", examples / "inferenceobjectives.yaml"]):
+    for doc in load_documents(
+        [
+            examples / "inferencepool.yaml",
+            examples / "inferenceobjectives.yaml",
+            examples / "inferencemodelrewrite.yaml",
+        ]
+    ):
         group, version = doc["apiVersion"].split("/")
-        plural = "inferencepools" if doc["kind"] == "InferencePool" else "inferenceobjectives"
+        plural = doc["kind"].lower() + "s"
         doc["metadata"].pop("namespace", None)
         create(admin_api, namespace, (group, version, plural), doc)
 
@@ -100,3 +111,63 @@ def test_crd_files_are_one_crd_each() -> None:
     for path in (ROOT / "manifests" / "crds").glob("*.yaml"):
         (doc,) = load_documents([path])
         assert doc["kind"] == "CustomResourceDefinition" and doc["metadata"]["name"] == path.stem
+
+
+def reference_rewrites() -> list[dict[str, Any]]:
+    """The reference's InferenceModelRewrites: its hermetic test data's and the adapter rollout
+    guide's (the whole resources among its YAML blocks)."""
+    try:
+        root = reference_dir()
+    except ReferenceUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    docs = load_documents([root / "test" / "testdata" / "inferencepool-with-model-hermetic.yaml"])
+    guide = (root / "site-src" / "guides" / "adapter-rollout.md").read_text()
+    docs += [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", guide, re.DOTALL)]
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "InferenceModelRewrite"]
+
+
+def test_the_references_model_rewrites_are_accepted_with_its_defaults(admin_api, namespace) -> None:
+    rewrites = reference_rewrites()
+    assert len(rewrites) == 3  # the test data's, and the guide's first two steps
+    for i, doc in enumerate(rewrites):
+        doc["metadata"] = {"name": f"reference-{i}"}
+        created = create(admin_api, namespace, REWRITES, doc)
+        assert created["spec"]["poolRef"]["group"] == "inference.networking.k8s.io"
+        assert created["spec"]["poolRef"]["kind"] == "InferencePool"
+        assert {m["model"]["type"] for r in created["spec"]["rules"] for m in r["matches"]} == {"Exact"}
+
+
+@pytest.mark.parametrize(
+    "name, spec, expected",
+    [
+        ("no-rules", {"poolRef": {"name": "p"}}, "spec.rules: Required value"),
+        ("no-pool", {"rules": []}, "spec.poolRef: Required value"),
+        ("no-targets", {"poolRef": {"name": "p"}, "rules": [{"targets": []}]}, "should have at least 1 items"),
+        (
+            "zero-weight",
+            {"poolRef": {"name": "p"}, "rules": [{"targets": [{"modelRewrite": "m", "weight": 0}]}]},
+            "greater than or equal to 1",
+        ),
+        (
+            "prefix-match",
+            {"poolRef": {"name": "p"}, "rules": [{"matches": [{"model": {"type": "Prefix", "value": "m"}}]}]},
+            "Unsupported value",
+        ),
+        (
+            "empty-match",
+            {"poolRef": {"name": "p"}, "rules": [{"matches": [{"model": {"value": ""}}]}]},
+            "at least 1 chars",
+        ),
+        (
+            "no-target-model",
+            {"poolRef": {"name": "p"}, "rules": [{"targets": [{"weight": 5}]}]},
+            "modelRewrite: Required value",
+        ),
+    ],
+)
+def test_invalid_model_rewrites_are_rejected(admin_api, namespace, name, spec, expected) -> None:
+    body = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite"}
+    with pytest.raises(client.ApiException) as info:
+        create(admin_api, namespace, REWRITES, {**body, "metadata": {"name": name}, "spec": spec})
+    assert info.value.status == 422
+    assert expected in info.value.body, info.value.body

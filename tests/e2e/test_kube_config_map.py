@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -26,11 +25,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
-from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
 from picker_bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.kube_resources import patch_config_map
-from tests.e2e.test_kube_routing import shared_port
-from tests.sim_fixtures import start_sim, stop_process
+from tests.e2e.kube_stack import serve_args, sim_pool
 from tests.stack import Picker, health_status, serving, start_envoy, start_picker
 
 KEY = "default-plugins.yaml"  # the chart's ConfigMap key
@@ -58,21 +55,6 @@ def config_text(prefix_weight: int, metrics_path: str) -> str:
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def serve_args(release: dict[str, str]) -> list[str]:
-    return [
-        "--pool-name",
-        release["pool"],
-        "--pool-namespace",
-        release["namespace"],
-        "--kubeconfig",
-        release["kubeconfig"],
-        "--config-map",
-        release["config_map"],
-        # These tests read /metrics and /config without a token (test_kube_metrics_auth.py covers auth).
-        "--metrics-endpoint-auth=false",
-    ]
 
 
 @contextmanager
@@ -124,21 +106,10 @@ def newest_weights(picker: Picker) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def sim_pool(admin_api: client.ApiClient, picker_release: dict[str, str]) -> Iterator[list[str]]:
+def sims(admin_api: client.ApiClient, picker_release: dict[str, str]) -> Iterator[list[str]]:
     """Two simulated vLLM pods on consecutive 127.0.0.x hosts, as Ready pods of the release's pool."""
-    first = random.randrange(20, 200)
-    hosts = [f"127.0.0.{first}", f"127.0.0.{first + 1}"]
-    port = shared_port(hosts)
-    process, _ = start_sim(["--pods", "2", "--host", hosts[0], "--distinct-hosts", "--base-port", str(port)])
-    try:
-        ns, labels = picker_release["namespace"], {"app": "config-map-sims"}
-        for i, host in enumerate(hosts):
-            create_pod(admin_api, ns, f"sim-{i}", labels)
-            set_pod_ready(admin_api, ns, f"sim-{i}", host)
-        put_pool(admin_api, ns, picker_release["pool"], labels, [port])
-        yield [f"{host}:{port}" for host in hosts]
-    finally:
-        stop_process(process)
+    with sim_pool(admin_api, picker_release, "config-map-sims") as pods:
+        yield pods
 
 
 def serve_until_exit(release: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -221,7 +192,7 @@ def test_a_missing_config_map_is_waited_for_without_serving(admin_api, picker_re
 
 
 def test_weights_and_data_layer_apply_from_the_first_request_and_on_every_edit(
-    admin_api, picker_release, sim_pool: list[str], tmp_path: Path
+    admin_api, picker_release, sims: list[str], tmp_path: Path
 ) -> None:
     ns, name = picker_release["namespace"], picker_release["config_map"]
     first = config_text(7, "/no-such-metrics")  # weights and a scrape path of its own from the start
@@ -241,7 +212,7 @@ def test_weights_and_data_layer_apply_from_the_first_request_and_on_every_edit(
                 wait_until(
                     lambda: all(
                         metric(picker, f'picker_scrape_errors_total{{endpoint="{pod}",reason="http_status"}}')
-                        for pod in sim_pool
+                        for pod in sims
                     ),
                     DEADLINE,
                     "scrapes of /no-such-metrics to fail",
@@ -259,7 +230,7 @@ def test_weights_and_data_layer_apply_from_the_first_request_and_on_every_edit(
                 wait_until(
                     lambda: all(
                         float(metric(picker, f'picker_metrics_age_seconds{{endpoint="{pod}"}}')[0].split()[1]) < 1.0
-                        for pod in sim_pool
+                        for pod in sims
                     ),
                     DEADLINE,
                     "fresh metrics from /metrics",

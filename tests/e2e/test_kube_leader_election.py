@@ -32,7 +32,8 @@ from picker_bench.process import ManagedProcess, free_port, wait_until
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
 from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
-from tests.e2e.test_kube_routing import post, shared_port
+from tests.e2e.kube_stack import shared_port
+from tests.e2e.test_kube_routing import post
 from tests.stack import health_status, loopback_addresses, start_backends
 
 TIMING = LeaseTiming()  # the reference's (controller-runtime's defaults)

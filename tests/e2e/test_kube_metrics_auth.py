@@ -17,6 +17,7 @@ from kubernetes import client
 
 from picker.config import cli as config_cli
 from tests.e2e.kube_resources import service_account_token
+from tests.e2e.kube_stack import serve_args
 from tests.stack import Picker, start_picker
 
 
@@ -34,14 +35,7 @@ def picker(picker_release: dict[str, str], tmp_path_factory: pytest.TempPathFact
     """`picker serve` as the chart runs it: metrics auth left at its default."""
     process = start_picker(
         tmp_path_factory.mktemp("metrics-auth"),
-        "--pool-name",
-        picker_release["pool"],
-        "--pool-namespace",
-        picker_release["namespace"],
-        "--kubeconfig",
-        picker_release["kubeconfig"],
-        "--config-map",
-        picker_release["config_map"],
+        *serve_args(picker_release, metrics_auth=True),
         "--enable-debug-decisions",
         name="picker-metrics-auth",
         tls=False,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -22,26 +21,11 @@ from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
 from picker_bench.process import ManagedProcess
 from tests.e2e.kube_resources import delete_pod, patch_config_map
-from tests.stack import Picker, start_backends, start_envoy, start_picker
+from tests.e2e.kube_stack import release_gateway, shared_port
+from tests.stack import Picker, start_backends
 
 CHANGE_DEADLINE = 1.0
 _labels = itertools.count(1)
-
-
-def shared_port(hosts: list[str]) -> int:
-    """A port free on every one of `hosts` (pods of one pool share their target ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = probe.getsockname()[1]
-        try:
-            for host in hosts:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError(f"no port free on all of {hosts}")
 
 
 def post(url: str) -> tuple[int, str | None]:
@@ -91,30 +75,10 @@ def gateway(
     picker_release: dict[str, str], backends: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Picker, str]]:
     """`picker serve` for the chart's pool, with the chart's credentials, behind Envoy."""
-    log_dir = tmp_path_factory.mktemp("gateway")
-    picker = start_picker(
-        log_dir,
-        "--pool-name",
-        picker_release["pool"],
-        "--pool-namespace",
-        picker_release["namespace"],
-        "--kubeconfig",
-        picker_release["kubeconfig"],
-        "--config-map",
-        picker_release["config_map"],
-        "--enable-debug-decisions",
-        "--metrics-endpoint-auth=false",  # the test reads /debug/decisions without a token
-        name="picker-kube",
-        tls=False,
-    )
-    try:
-        envoy = start_envoy("buffered", picker.grpc_port, log_dir, tls=False, name="envoy-kube")
-    except Exception:
-        picker.stop()
-        raise
-    yield picker, envoy.url + "/v1/completions"
-    envoy.stop()
-    picker.stop()
+    with release_gateway(
+        picker_release, tmp_path_factory.mktemp("gateway"), "kube", "--enable-debug-decisions"
+    ) as gateway:
+        yield gateway
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """README's "Install into a cluster" commands, run as written against the real API server, and
 the names they wire together checked on the objects they create: the HTTPRoute's pool is the one
 the chart creates, the pool selects the example model servers on their port and points at the
-picker's Service, the InferenceObjectives name that pool.
+picker's Service, the InferenceObjectives and the InferenceModelRewrite name that pool.
 
 `kubectl apply -f` is done as a server-side apply through the API (kubectl itself is not a test
 dependency); `make image` needs a container engine, which tests/unit/test_image.py stands in for;
@@ -94,8 +94,8 @@ def test_the_readme_install_wires_route_pool_picker_and_model_servers(installed,
     assert ext_proc.target_port in {p.name for p in epp.ports}
     assert epp.image == chart_image()
 
-    for objective in installed["inferenceobjectives.yaml"]:
-        assert objective["spec"]["poolRef"]["name"] == backend["name"]
+    for resource in installed["inferenceobjectives.yaml"] + installed["inferencemodelrewrite.yaml"]:
+        assert resource["spec"]["poolRef"]["name"] == backend["name"]
 
 
 def test_the_example_pool_file_is_the_pool_the_chart_creates(installed, kube_cluster, helm_binary, helm_env) -> None:
