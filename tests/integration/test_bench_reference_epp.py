@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary
-from picker_bench.reference_epp import ReferenceUnavailableError, reference_epp_binary
+from picker_bench.reference_epp import reference_epp_binary
 from tests.integration.test_bench_cli import alive_in_groups, bench, finish, started_pids
 
 # On a fresh machine the binary is built first: about 3 minutes of CPU on 2 cores
@@ -22,7 +23,7 @@ def reference_binary() -> Path:
     try:
         cached_binary("kube-apiserver", KUBE_VERSION)
         return reference_epp_binary()
-    except (MissingBinaryError, ReferenceUnavailableError) as exc:
+    except (MissingBinaryError, GoModuleUnavailableError) as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
