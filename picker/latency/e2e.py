@@ -257,6 +257,14 @@ class _MeanTokens:
         self.tokens += max(alpha, 1.0 / self.samples) * (sample - self.tokens)
 
 
+class ExpectedOutput(NamedTuple):
+    """A request's expected output tokens and where the figure came from: `max_tokens` (the
+    request's own limit), `session` or `model` (their answers so far) or `default`."""
+
+    tokens: int
+    source: str
+
+
 class OutputLengths:
     """How many tokens a request is expected to generate.
 
@@ -281,20 +289,23 @@ class OutputLengths:
         self._models: dict[tuple[str | None, str], _MeanTokens] = {}
         self._sessions: OrderedDict[tuple[str | None, str, str], _MeanTokens] = OrderedDict()
 
-    def expected(self, request: InferenceRequest, session: str | None, default_tokens: int, cap_tokens: int) -> int:
+    def expected(
+        self, request: InferenceRequest, session: str | None, default_tokens: int, cap_tokens: int
+    ) -> ExpectedOutput:
         """The expected output tokens of `request`, of the session named `session` (if any)."""
         body = request.body
         for name in OUTPUT_LIMIT_FIELDS:
             limit = body.get(name)
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-                return min(limit, cap_tokens)
-        mean = None
+                return ExpectedOutput(min(limit, cap_tokens), "max_tokens")
         if session is not None:
             mean = self._sessions.get((request.tenant, request.target_model, session))
-        if mean is None:
-            mean = self._models.get((request.tenant, request.target_model))
-        tokens = round(mean.tokens) if mean is not None else default_tokens
-        return max(1, min(tokens, cap_tokens))
+            if mean is not None:
+                return ExpectedOutput(max(1, min(round(mean.tokens), cap_tokens)), "session")
+        mean = self._models.get((request.tenant, request.target_model))
+        if mean is not None:
+            return ExpectedOutput(max(1, min(round(mean.tokens), cap_tokens)), "model")
+        return ExpectedOutput(max(1, min(default_tokens, cap_tokens)), "default")
 
     def observe(self, request: InferenceRequest, session: str | None, completion_tokens: int) -> None:
         """Learn from one successful response's completion tokens."""

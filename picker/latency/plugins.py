@@ -47,6 +47,7 @@ from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.latency.e2e import (
     DecodeLedger,
     E2eEstimate,
+    ExpectedOutput,
     InFlight,
     OutputLengths,
     TpotByBatch,
@@ -66,6 +67,7 @@ from picker.latency.tpot import TpotModel
 from picker.prefix.plugins import PREFIX_MATCH_KEY, ProducerTtftModel, prompt_and_cached_tokens
 from picker.prefix.session import session_name
 from picker.prefix.ttft import TtftModel
+from picker.telemetry.metrics import E2E_OUTPUT_TOKENS_RATIO, E2E_PREDICTION_RATIO
 
 # The producer's own objects that outlive reloads (Handle.persistent keys, + ":" + its name).
 _TPOT_MODEL_KEY = "latency/tpot-model"
@@ -570,9 +572,9 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         scorer.parameters = effective
         return scorer
 
-    def expected(self, request: InferenceRequest, cycle_state: CycleState) -> tuple[int, str | None]:
-        """The request's expected output tokens and session name, worked out once per request."""
-        found: tuple[int, str | None] | None = cycle_state.read(_EXPECTED_KEY)
+    def expected(self, request: InferenceRequest, cycle_state: CycleState) -> tuple[ExpectedOutput, str | None]:
+        """The request's expected output and session name, worked out once per request."""
+        found: tuple[ExpectedOutput, str | None] | None = cycle_state.read(_EXPECTED_KEY)
         if found is None:
             settings = self.settings
             session = session_name(request, settings.session_fields, settings.session_header)
@@ -586,7 +588,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         tpot = self.tpot
         if not tpot.learnt:
             return [1.0] * len(candidates)
-        tokens, _ = self.expected(request, cycle_state)
+        tokens = self.expected(request, cycle_state)[0].tokens
         prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
         ttft, ledger, weight = self.ttft, self.ledger, self.settings.harm_weight
         ttft_now, now = ttft.clock(), ledger.clock()
@@ -608,7 +610,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         if not result.targets:
             return
         target = result.targets[0]
-        tokens, _ = self.expected(request, result.cycle_state)
+        tokens = self.expected(request, result.cycle_state)[0].tokens
         prompt_tokens, (cached,) = prompt_and_cached_tokens(request, result.cycle_state, [target])
         result.cycle_state[_SENT_KEY] = self.ledger.sent(target.address, tokens, max(0, prompt_tokens - cached))
 
@@ -622,14 +624,17 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         life = self.ledger.ended(sent, completion)
         if completion is None:
             return
-        _, session = self.expected(request, result.cycle_state)
+        expected, session = self.expected(request, result.cycle_state)
         self.lengths.observe(request, session, completion)
+        E2E_OUTPUT_TOKENS_RATIO.labels(request.target_model, expected.source).observe(completion / expected.tokens)
         ttft = outcome.ttft_seconds
         if request.stream and ttft is not None:
             share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
             self.tpot.observe(life.mean_batch, share, outcome.duration_seconds - ttft, completion)
         explain = result.cycle_state.explain()
         predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
+        if predicted is not None and predicted.seconds > 0.0:
+            E2E_PREDICTION_RATIO.labels(request.target_model).observe(outcome.duration_seconds / predicted.seconds)
         explain[OBSERVED_E2E] = {
             "endpoint": sent.address,
             "seconds": outcome.duration_seconds,

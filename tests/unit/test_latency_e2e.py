@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from picker.config.loader import parse_text
 from picker.config.runtime import RuntimeHolder
@@ -261,7 +262,7 @@ def test_max_tokens_is_the_expected_output_else_the_sessions_else_the_models() -
     runtime, datastore, scorer, clock = setup(defaultOutputTokens=100, maxOutputTokens=3000)
 
     def expected(body: Mapping[str, Any]) -> int:
-        return scorer.expected(request(body), CycleState())[0]
+        return scorer.expected(request(body), CycleState())[0].tokens
 
     assert expected({"max_tokens": 700}) == 700
     assert expected({"max_completion_tokens": 90}) == 90
@@ -292,11 +293,25 @@ def test_the_observed_completion_is_explained_beside_the_prediction() -> None:
     scorer.score(req, cycle_state, datastore.snapshot())
     result = SchedulingResult({"default": ProfileRunResult((state_of(datastore, FIRST),))}, "default", cycle_state)
     scorer.pre_request(req, result)
+    ratio = {"model_name": req.target_model}
+    by_limit = {"model_name": req.target_model, "source": "max_tokens"}
+    before = [
+        REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
+        for name, labels in (("picker_e2e_prediction_ratio", ratio), ("picker_e2e_output_tokens_ratio", by_limit))
+    ]
+    exact = REGISTRY.get_sample_value("picker_e2e_output_tokens_ratio_bucket", {**by_limit, "le": "1.0"}) or 0.0
     answer(scorer, req, result, FIRST, 50, 0.01)
     observed = cycle_state.explain()[OBSERVED_E2E]
     assert observed["endpoint"] == FIRST and observed["expected_tokens"] == 50 and observed["completion_tokens"] == 50
     assert observed["seconds"] == pytest.approx(0.05 + 49 * 0.01)
     assert observed["predicted_seconds"] == cycle_state.explain()[PREDICTED_E2E][FIRST].seconds
+    # How good the predictions were, as metrics: observed over predicted, answer over expectation.
+    after = [
+        REGISTRY.get_sample_value(f"{name}_count", labels)
+        for name, labels in (("picker_e2e_prediction_ratio", ratio), ("picker_e2e_output_tokens_ratio", by_limit))
+    ]
+    assert after == [b + 1 for b in before]
+    assert REGISTRY.get_sample_value("picker_e2e_output_tokens_ratio_bucket", {**by_limit, "le": "1.0"}) == exact + 1
 
 
 @pytest.mark.parametrize(
