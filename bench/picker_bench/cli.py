@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="send each conversation's session key as `prompt_cache_key` (default: on)",
     )
+    spec.add_argument(
+        "--max-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each answer's length as `max_tokens` with `ignore_eos` (default: on); with --no-max-tokens "
+        "it goes as `min_tokens` only, where the simulated model ends its answer: the router is not told",
+    )
     return p
 
 
@@ -307,6 +314,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if not args.session_keys:
         sessions = workloads.without_session_keys(sessions)
     settings["session_keys"] = args.session_keys
+    settings["max_tokens"] = args.max_tokens
     fleet = FleetOptions(
         pods=args.pods,
         model=args.model,
@@ -328,6 +336,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         args.drain_timeout,
         plots=not args.no_plots,
         settings=tuple(settings.items()),
+        announce_lengths=args.max_tokens,
         objectives=tuple(workloads.TENANT_OBJECTIVES.items()) if "objectives" in settings else (),
     )
 

@@ -18,8 +18,9 @@ from picker_bench.attribution import attribute
 from picker_bench.bound import PrefixBound, PromptBlocks, decode_floor_s, prefill_floor_s
 from picker_bench.loadgen import LoadOptions, Progress, RequestResult, run_load
 from picker_bench.report import BenchReport
-from picker_bench.stats import SystemResult, percentile, summarize
+from picker_bench.stats import SystemResult, histogram_decision_time, percentile, summarize
 from picker_bench.systems import (
+    DECISION_METRIC,
     FleetOptions,
     Launcher,
     SystemSpec,
@@ -42,6 +43,7 @@ class BenchPlan:
     out_dir: Path
     max_concurrency: int = 256
     drain_timeout_s: float = 60.0
+    announce_lengths: bool = True  # answers' lengths sent as max_tokens (else as min_tokens: unannounced)
     plots: bool = True
     settings: tuple[tuple[str, object], ...] = ()  # workload knobs, recorded in results.json
     objectives: tuple[tuple[str, int], ...] = ()  # the workload's InferenceObjectives: name, priority
@@ -190,7 +192,13 @@ def _measure(
     where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
     _, pods = start_fleet(fleet, launcher, tag)
     gateway = start_system(spec, pods, launcher, tag, objectives)
-    options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
+    options = LoadOptions(
+        gateway.url,
+        fleet.model,
+        plan.max_concurrency,
+        drain_timeout_s=plan.drain_timeout_s,
+        announce_lengths=plan.announce_lengths,
+    )
     counters = Progress(requests)
 
     async def measured() -> list[RequestResult]:
@@ -202,9 +210,14 @@ def _measure(
             await asyncio.gather(display, return_exceptions=True)
 
     results = asyncio.run(measured())
-    _write_requests(results, plan.out_dir / "requests" / f"{spec.name.replace(':', '-')}.jsonl")
+    name = spec.name.replace(":", "-")
+    _write_requests(results, plan.out_dir / "requests" / f"{name}.jsonl")
+    page = gateway.metrics_page()
+    if page is not None:  # the picker's own view of the run (predictions, hits), for analysis
+        (plan.out_dir / "requests" / f"{name}.metrics.txt").write_text(page)
     attribution = attribute(results, blocks, fleet.block_size, pod_blocks(fleet))
-    return replace(summarize(results, fleet.pods, gateway.decision_time()), attribution=attribution)
+    decision_time = histogram_decision_time(page, DECISION_METRIC) if page is not None else None
+    return replace(summarize(results, fleet.pods, decision_time), attribution=attribution)
 
 
 def _write_requests(results: Sequence[RequestResult], path: Path) -> None:

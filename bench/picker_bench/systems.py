@@ -23,7 +23,6 @@ from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
 from picker_bench.process import ManagedProcess, free_port, http_ok, port_open
 from picker_bench.reference_epp import ReferenceEpp
-from picker_bench.stats import DecisionTime, histogram_decision_time
 
 HOST = "127.0.0.1"
 DECISION_METRIC = "inference_extension_scheduler_e2e_duration_seconds"
@@ -245,8 +244,9 @@ class Gateway:
     url: str
     metrics_urls: tuple[str, ...] = ()
 
-    def decision_time(self) -> DecisionTime | None:
-        """The pickers' scheduling-time histogram (every replica's summed), if this system has one."""
+    def metrics_page(self) -> str | None:
+        """Every picker replica's /metrics page, joined; None without pickers or when one
+        cannot be read."""
         pages = []
         try:
             for url in self.metrics_urls:
@@ -254,7 +254,7 @@ class Gateway:
                     pages.append(r.read().decode())
         except OSError:
             return None
-        return histogram_decision_time("\n".join(pages), DECISION_METRIC) if pages else None
+        return "\n".join(pages) if pages else None
 
 
 def start_system(

@@ -126,6 +126,8 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
         requests = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
         assert len(requests) == system["requests"] and json.loads(requests[0])["pod"] in system["pods"]
     assert results["systems"]["picker"]["decision_time"]["count"] >= results["systems"]["picker"]["requests"]
+    page = (tmp_path / "requests" / "picker.metrics.txt").read_text()  # the picker's view, kept for analysis
+    assert "inference_extension_scheduler_e2e_duration_seconds_count" in page
     assert "round-robin" in output and "results.json" in output
     assert len(started_pids(tmp_path)) == 7  # a fleet and a gateway per system, plus the picker itself
     assert alive_in_groups(started_pids(tmp_path)) == []
