@@ -77,7 +77,10 @@ def finish(proc: subprocess.Popen[bytes], timeout: float) -> str:
 
 
 def envoy_upstream_requests(config: Path) -> int:
-    admin = yaml.safe_load(config.read_text())["admin"]["address"]["socket_address"]
+    document = yaml.safe_load(config.read_text())
+    if not isinstance(document, dict):  # seen while the bench is still writing it
+        return 0
+    admin = document["admin"]["address"]["socket_address"]
     url = f"http://{admin['address']}:{admin['port_value']}/stats?filter=^cluster.backends.upstream_rq_total$"
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
