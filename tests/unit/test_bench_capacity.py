@@ -189,3 +189,19 @@ def test_capacity_flags_reject_bad_input_without_a_traceback(
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "pids").exists()  # nothing was started
+
+
+def test_a_traces_steps_are_replay_speeds_and_its_window_its_last_arrival(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": 600, "output_length": 4, "hash_ids": [t, t + 1]}) + "\n"
+            for t in (0, 1000, 2000, 3000)
+        )
+    )
+    argv = ["--capacity", "--slo-ttft-p90", "1", "--systems", "round-robin", "--workload", str(trace)]
+    args = cli.build_parser().parse_args([*argv, "--rates", "1,2", "--duration", "1.5", "--out", str(tmp_path)])
+    plan = cli.capacity_plan_from_args(args)
+    assert (plan.rate_unit, plan.window_s) == ("x speed", None)
+    assert [s.start_s for s in plan.sessions_at(1.0)] == [0.0, 1.0]
+    assert [s.start_s for s in plan.sessions_at(2.0)] == [0.0, 0.5, 1.0]
