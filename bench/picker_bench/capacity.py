@@ -316,8 +316,9 @@ def slo_text(slo: Slo) -> str:
 
 def terminal_text(report: CapacityReport) -> str:
     """The steps table and the capacity summary, for the terminal."""
+    header, rows = step_rows(report)
     return (
-        f"{reports.aligned(*step_rows(report))}\n\n"
+        f"{reports.aligned(header, rows, text_columns=(0, len(header) - 1))}\n\n"
         f"capacity at {slo_text(report.slo)}, no errors:\n{reports.aligned(*capacity_rows(report))}"
     )
 

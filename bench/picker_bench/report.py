@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,13 @@ def _arrival_window(report: BenchReport) -> str:
     )
 
 
-def aligned(header: list[str], rows: list[list[str]]) -> str:
-    """A plain table: the first column left-aligned, the others right-aligned."""
+def aligned(header: list[str], rows: list[list[str]], text_columns: Sequence[int] = (0,)) -> str:
+    """A plain table: the `text_columns` (the first) left-aligned, the others right-aligned."""
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        cells = [c.ljust(w) if i in text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(cells).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
