@@ -8,11 +8,14 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 from picker_bench import report as reports
 from picker_bench import workloads
+from picker_bench.capacity import CapacityPlan, Slo, run_capacity, terminal_text
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
 from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
@@ -106,6 +109,8 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
 GENERATED_NUM_GPU_BLOCKS = 2048
 DEFAULT_DURATION_S = 60.0
+# Capacity steps are short: several per system, each a cold fleet.
+DEFAULT_CAPACITY_STEP_S = 20.0
 DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0, "multi-tenant": 1.2}
 
 
@@ -182,6 +187,35 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step")
     sim.add_argument(
         "--sim-base-port", type=int, default=0, help="pod i on this port+i (default: free ports); for external gateways"
+    )
+    capacity = p.add_argument_group("capacity at an SLO")
+    capacity.add_argument(
+        "--capacity",
+        action="store_true",
+        help="per system, play the workload at rising rates (a trace: replay speeds), one step of --duration "
+        f"(default {DEFAULT_CAPACITY_STEP_S:g} s) each on a cold fleet, until a step breaks the SLO or has an "
+        "error; report the highest passing rate and the goodput there",
+    )
+    capacity.add_argument("--slo-ttft-p90", type=float, metavar="SECONDS", help="--capacity: TTFT p90 SLO (required)")
+    capacity.add_argument("--slo-tpot-p90", type=float, metavar="SECONDS", help="--capacity: TPOT p90 SLO (optional)")
+    capacity.add_argument(
+        "--rates",
+        help="--capacity: comma-separated step rates in req/s (a trace: replay speeds), e.g. 2,4,6,8",
+    )
+    capacity.add_argument(
+        "--rate-steps",
+        type=int,
+        default=4,
+        help="--capacity without --rates: this many steps from --rate (a trace: --speed) up (default 4)",
+    )
+    capacity.add_argument(
+        "--rate-factor", type=float, default=1.5, help="--capacity without --rates: each step's rate over the last's"
+    )
+    capacity.add_argument(
+        "--refine",
+        type=int,
+        default=0,
+        help="--capacity: bisect this many times between a system's last passing and first failing rate (default 0)",
     )
     spec = p.add_argument_group("workload shape (defaults sized for a 2-core machine)")
     for flag, kind in (
@@ -361,20 +395,104 @@ def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> 
         raise ValueError(f"the reference-epp system runs a kube-apiserver and etcd: {e}") from None
 
 
+def capacity_rates(args: argparse.Namespace) -> tuple[float, ...]:
+    """The step rates, increasing: `--rates`, or `--rate-steps` from the base rate (a trace's
+    `--speed`) up by `--rate-factor`."""
+    if args.rates:
+        try:
+            rates = sorted({float(value) for value in args.rates.split(",")})
+        except ValueError:
+            raise ValueError(f"--rates {args.rates!r}: not comma-separated numbers") from None
+        if rates[0] <= 0:
+            raise ValueError("--rates must be positive")
+        return tuple(rates)
+    if args.rate_steps < 1:
+        raise ValueError("--rate-steps must be at least 1")
+    if args.rate_factor <= 1:
+        raise ValueError("--rate-factor must be above 1")
+    trace = args.workload not in WORKLOADS
+    base = args.speed if trace else args.rate or DEFAULT_RATES[args.workload]
+    return tuple(round(base * args.rate_factor**step, 6) for step in range(args.rate_steps))
+
+
+def capacity_plan_from_args(args: argparse.Namespace) -> CapacityPlan:
+    """Validate a `--capacity` run up front; its bench plan carries the lowest rate's workload."""
+    if args.bounds_only:
+        raise ValueError("--capacity and --bounds-only do not go together")
+    if args.slo_ttft_p90 is None or args.slo_ttft_p90 <= 0:
+        raise ValueError("--capacity needs a positive --slo-ttft-p90 (seconds)")
+    if args.slo_tpot_p90 is not None and args.slo_tpot_p90 <= 0:
+        raise ValueError("--slo-tpot-p90 must be positive")
+    if args.refine < 0:
+        raise ValueError("--refine must not be negative")
+    rates = capacity_rates(args)
+    trace = args.workload not in WORKLOADS
+    duration = args.duration or DEFAULT_CAPACITY_STEP_S
+
+    def at(rate: float) -> argparse.Namespace:
+        return argparse.Namespace(**{**vars(args), "speed" if trace else "rate": rate, "duration": duration})
+
+    def sessions_at(rate: float) -> Sequence[workloads.Session]:
+        _, sessions, _ = build_sessions(at(rate))
+        return sessions if args.session_keys else workloads.without_session_keys(sessions)
+
+    bench = plan_from_args(at(rates[0]))
+    return CapacityPlan(
+        dataclasses.replace(bench, settings=tuple((k, v) for k, v in bench.settings if k not in ("rate", "speed"))),
+        Slo(args.slo_ttft_p90, args.slo_tpot_p90),
+        rates,
+        sessions_at,
+        window_s=None if trace else duration,  # a trace's window is its last arrival
+        refine=args.refine,
+        rate_unit="x speed" if trace else "req/s",
+    )
+
+
+def check_no_capacity_flags(args: argparse.Namespace) -> None:
+    """The capacity flags mean nothing without `--capacity`: say so rather than ignore them."""
+    for flag in ("slo_ttft_p90", "slo_tpot_p90", "rates"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --capacity")
+
+
+def execute_capacity(plan: CapacityPlan) -> int:
+    """Run a validated capacity search and print its tables; 130 on Ctrl-C, 1 if a system failed."""
+    report = interruptible(lambda: run_capacity(plan))
+    if report is None:
+        return 130
+    out = plan.bench.out_dir
+    print()
+    print(terminal_text(report))
+    print(f"\nresults: {out / 'results.json'}  report: {out / 'report.md'}")
+    if report.plots:
+        print("plots:   " + "  ".join(str(out / name) for name in report.plots.values()))
+    return 1 if report.failures else 0
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, through every `finally` that stops children
 
 
-def execute(plan: BenchPlan) -> int:
-    """Run a validated plan and print the table; 130 on Ctrl-C, 1 if a system failed."""
+Outcome = TypeVar("Outcome")
+
+
+def interruptible(work: Callable[[], Outcome]) -> Outcome | None:
+    """`work()`, SIGTERM unwinding it like Ctrl-C; None (and a note) when either interrupted it."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report = run(plan)
+        return work()
     except KeyboardInterrupt:
         print("\npicker bench: interrupted; every started process was stopped", file=sys.stderr)
-        return 130
+        return None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def execute(plan: BenchPlan) -> int:
+    """Run a validated plan and print the table; 130 on Ctrl-C, 1 if a system failed."""
+    report = interruptible(lambda: run(plan))
+    if report is None:
+        return 130
     print()
     print(reports.terminal_table(report))
     for line in reports.attribution_lines(report):
@@ -389,6 +507,9 @@ def main(argv: list[str]) -> int:
     """Entry point of `picker bench`."""
     args = build_parser().parse_args(argv)
     try:
+        if args.capacity:
+            return execute_capacity(capacity_plan_from_args(args))
+        check_no_capacity_flags(args)
         plan = plan_from_args(args)
     except ValueError as e:
         print(f"picker bench: {e}", file=sys.stderr)
