@@ -44,8 +44,8 @@ class BenchReport:
         }
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
+def _ms(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value * 1000:.{digits}f}"
 
 
 def _pct(value: float | None) -> str:
@@ -67,6 +67,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "TTFT p90 ms",
         "TTFT p99 ms",
         "E2E p50 ms",
+        "TPOT p90 ms",
         "out tok/s",
         "hit ratio",
         "bound",
@@ -86,6 +87,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
                 _ms(r.ttft_p90_s),
                 _ms(r.ttft_p99_s),
                 _ms(r.e2e_p50_s),
+                _ms(r.tpot_p90_s, 1),  # a few ms per token: 1 ms steps are too coarse
                 f"{r.output_tokens_per_s:.0f}",
                 _pct(r.hit_ratio),
                 _pct(report.bound_hit_ratio),
