@@ -113,9 +113,9 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     # (the steady tenants use 40% of it, the burst 3x). Give `--max-concurrency` room for the
     # burst's backlog (e.g. 2000): at the cap the client itself queues every tenant's requests.
     "multi-tenant": workloads.MultiTenantSpec(),
-    # Chat with 20% long documents wanting long answers (see PdMixSpec): on 4 pods at 6 req/s an
-    # aggregated fleet's decodes stall behind the documents' prefills, which `--pd 1:3` moves to
-    # its prefill pod.
+    # Chat with 25% long documents wanting long answers (see PdMixSpec): on 4 pods at 10 req/s an
+    # aggregated fleet's decodes stall behind the documents' prefills, which `--pd 2:2` moves to
+    # its prefill pods.
     "pd-mix": workloads.PdMixSpec(),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
@@ -128,7 +128,7 @@ DEFAULT_RATES = {
     "long-doc": 4.0,
     "conversation": 10.0,
     "multi-tenant": 1.2,
-    "pd-mix": 6.0,
+    "pd-mix": 10.0,
 }
 
 
