@@ -97,7 +97,8 @@ def test_a_pd_config_without_a_pd_fleet_needs_no_sidecar(tmp_path: Path) -> None
 
 
 def test_declares_pd_reads_the_plugin_types(tmp_path: Path) -> None:
-    assert declares_pd(PD_CONFIG) and not declares_pd(BEST_CONFIG)
+    assert declares_pd(PD_CONFIG) and declares_pd(PD_CONFIG.with_name("picker-pd-predicted.yaml"))
+    assert not declares_pd(BEST_CONFIG)
     for text in ("plugins: [", "- a list", "plugins: {type: pd-profile-handler}", "plugins: [pd-profile-handler]"):
         (tmp_path / "c.yaml").write_text(text)
         assert not declares_pd(tmp_path / "c.yaml"), text
