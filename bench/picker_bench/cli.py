@@ -21,7 +21,7 @@ from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
 from picker_bench.systems import KINDS, FleetOptions, SystemSpec, parse_systems
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant", "pd-mix")
 # Flags that override one field of a workload spec: flag dest -> spec field.
 SPEC_FLAGS = {
     "shared-prefix": {
@@ -69,6 +69,15 @@ SPEC_FLAGS = {
         "burst_start": "burst_start",
         "burst_end": "burst_end",
     },
+    "pd-mix": {
+        "long_share": "long_share",
+        "document_len": "document_len",
+        "long_output_len": "long_output_len",
+        "applications": "applications",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
 }
 # Spec fields for which 0 is a meaningful value (no pause, uniform popularity, no one-offs).
 ZERO_ALLOWED = (
@@ -79,6 +88,7 @@ ZERO_ALLOWED = (
     "think_scale",
     "one_off_share",
     "burst_start",
+    "long_share",
 )
 WorkloadSpec = (
     workloads.SharedPrefixSpec
@@ -86,6 +96,7 @@ WorkloadSpec = (
     | workloads.LongDocSpec
     | workloads.ConversationSpec
     | workloads.MultiTenantSpec
+    | workloads.PdMixSpec
 )
 # Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
 # to hold every shared prefix on every pod, so where a request goes decides whether it hits.
@@ -105,13 +116,25 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     # (the steady tenants use 40% of it, the burst 3x). Give `--max-concurrency` room for the
     # burst's backlog (e.g. 2000): at the cap the client itself queues every tenant's requests.
     "multi-tenant": workloads.MultiTenantSpec(),
+    # Chat with 25% long documents wanting long answers (see PdMixSpec): on 4 pods at 10 req/s an
+    # aggregated fleet's decodes stall behind the documents' prefills, which `--pd 2:2` moves to
+    # its prefill pods.
+    "pd-mix": workloads.PdMixSpec(),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
 GENERATED_NUM_GPU_BLOCKS = 2048
 DEFAULT_DURATION_S = 60.0
 # Capacity steps are short: several per system, each a cold fleet.
 DEFAULT_CAPACITY_STEP_S = 20.0
-DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0, "multi-tenant": 1.2}
+DEFAULT_PODS = 4
+DEFAULT_RATES = {
+    "shared-prefix": 28.0,
+    "multi-turn": 20.0,
+    "long-doc": 4.0,
+    "conversation": 10.0,
+    "multi-tenant": 1.2,
+    "pd-mix": 10.0,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     sim = p.add_argument_group("simulated fleet (the same for every system)")
-    sim.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
+    sim.add_argument("--pods", type=int, help=f"simulated pods (default {DEFAULT_PODS})")
+    sim.add_argument(
+        "--pd",
+        metavar="P:D",
+        help="a prefill/decode fleet: P prefill pods then D decode pods (labels llm-d.ai/role), instead of "
+        "--pods. Picker systems whose config has a pd-profile-handler route it disaggregated, through "
+        "llm-d's pd-sidecar in front of each decode pod (--pd-sidecar); every other system sees its "
+        "P+D pods as one aggregated fleet (a prefill pod serves a plain request whole)",
+    )
+    sim.add_argument(
+        "--pd-sidecar",
+        type=Path,
+        metavar="PATH",
+        help="llm-d's pd-sidecar binary (v0.4.0), for P/D picker systems on a --pd fleet",
+    )
     sim.add_argument("--model", default="sim-model")
     sim.add_argument("--profile", default="llama3-8b-h100", help="sim timing profile")
     sim.add_argument("--time-scale", type=float, default=1.0, help="sim runs this many times faster")
@@ -242,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--burst-rate", float),
         ("--burst-start", float),
         ("--burst-end", float),
+        ("--long-share", float),
+        ("--long-output-len", int),
     ):
         spec.add_argument(flag, type=kind)
     spec.add_argument(
@@ -284,6 +323,8 @@ def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: 
         return workloads.conversation(spec, rate, duration_s, seed)
     if isinstance(spec, workloads.MultiTenantSpec):
         return workloads.multi_tenant(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.PdMixSpec):
+        return workloads.pd_mix(spec, rate, duration_s, seed)
     return workloads.long_doc(spec, rate, duration_s, seed)
 
 
@@ -317,10 +358,37 @@ def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Sessio
     return f"trace {path.name} x{args.speed:g}", sessions, settings
 
 
+def fleet_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """The fleet's pods and, of them, prefill pods (0: not a P/D fleet), from --pods and --pd."""
+    if args.pd is None:
+        pods = DEFAULT_PODS if args.pods is None else args.pods
+        if pods < 1:
+            raise ValueError("--pods must be at least 1")
+        return pods, 0
+    prefill, sep, decode = args.pd.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit() or int(prefill) < 1 or int(decode) < 1:
+        raise ValueError(f"--pd {args.pd!r}: must be P:D, at least one prefill and one decode pod (e.g. 1:3)")
+    pods = int(prefill) + int(decode)
+    if args.pods is not None and args.pods != pods:
+        raise ValueError(f"--pods {args.pods} disagrees with --pd {args.pd} ({pods} pods)")
+    return pods, int(prefill)
+
+
+def check_pd_sidecar(args: argparse.Namespace, systems: list[SystemSpec]) -> None:
+    """A P/D picker system on a P/D fleet needs llm-d's pd-sidecar, checked before anything starts."""
+    if args.pd_sidecar is not None and not os.access(args.pd_sidecar, os.X_OK):
+        raise ValueError(f"--pd-sidecar {args.pd_sidecar}: not an executable file")
+    disaggregated = [spec.name for spec in systems if spec.disaggregated]
+    if args.pd is not None and disaggregated and args.pd_sidecar is None:
+        raise ValueError(
+            f"{', '.join(disaggregated)}: a P/D config on a --pd fleet runs llm-d's pd-sidecar in front of each "
+            "decode pod: give --pd-sidecar PATH (e.g. ~/.cache/picker/bin/pd-sidecar-v0.4.0)"
+        )
+
+
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate everything up front so a bad flag fails before any process starts."""
-    if args.pods < 1:
-        raise ValueError("--pods must be at least 1")
+    pods, prefill_pods = fleet_shape(args)
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.num_gpu_blocks is not None and args.num_gpu_blocks < 1:
@@ -337,11 +405,13 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             parse_picker_configs(args.picker_config),
             args.reference_epp and args.reference_epp.resolve(),
             args.reference_config and args.reference_config.resolve(),
+            args.pd_sidecar and args.pd_sidecar.resolve(),
         )
         if args.systems
         else []
     )
-    check_reference_epp(args, systems)
+    check_reference_epp(args, systems, pods)
+    check_pd_sidecar(args, systems)
     workload, sessions, settings = build_sessions(args)
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
@@ -350,7 +420,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     settings["session_keys"] = args.session_keys
     settings["max_tokens"] = args.max_tokens
     fleet = FleetOptions(
-        pods=args.pods,
+        pods=pods,
         model=args.model,
         profile=args.profile,
         time_scale=args.time_scale,
@@ -359,6 +429,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         base_port=args.sim_base_port,
+        prefill_pods=prefill_pods,
     )
     return BenchPlan(
         tuple(systems),
@@ -375,7 +446,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     )
 
 
-def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> None:
+def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec], pods: int) -> None:
     """What the reference-epp system needs, checked before anything starts."""
     if args.reference_epp is not None and not os.access(args.reference_epp, os.X_OK):
         raise ValueError(f"--reference-epp {args.reference_epp}: not an executable file")
@@ -383,9 +454,9 @@ def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> 
         raise ValueError(f"--reference-config {args.reference_config}: no such file")
     if not any(spec.kind == "reference-epp" for spec in systems):
         return
-    if args.pods > MAX_TARGET_PORTS:
+    if pods > MAX_TARGET_PORTS:
         raise ValueError(
-            f"--pods {args.pods}: the reference-epp system takes at most {MAX_TARGET_PORTS} pods "
+            f"--pods {pods}: the reference-epp system takes at most {MAX_TARGET_PORTS} pods "
             "(its InferencePool's target ports, one per pod)"
         )
     try:

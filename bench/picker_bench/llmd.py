@@ -55,8 +55,12 @@ class PdSidecar:
 
     def start(self) -> PdSidecar:
         self.process.start()
-        self.process.wait_ready(lambda: http_ok(f"http://{self.address}/health"), timeout=30)
+        self.wait_ready()
         return self
+
+    def wait_ready(self) -> None:
+        """Return once the started sidecar answers its health check."""
+        self.process.wait_ready(lambda: http_ok(f"http://{self.address}/health"), timeout=30)
 
     def stop(self) -> None:
         self.process.stop()

@@ -45,9 +45,9 @@ class BenchReport:
         }
 
 
-def ms(value: float | None) -> str:
-    """Seconds as whole milliseconds, `-` for none."""
-    return "-" if value is None else f"{value * 1000:.0f}"
+def ms(value: float | None, digits: int = 0) -> str:
+    """Seconds as milliseconds (`digits` decimals), `-` for none."""
+    return "-" if value is None else f"{value * 1000:.{digits}f}"
 
 
 def _pct(value: float | None) -> str:
@@ -69,6 +69,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "TTFT p90 ms",
         "TTFT p99 ms",
         "E2E p50 ms",
+        "TPOT p90 ms",
         "out tok/s",
         "hit ratio",
         "bound",
@@ -88,6 +89,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
                 ms(r.ttft_p90_s),
                 ms(r.ttft_p99_s),
                 ms(r.e2e_p50_s),
+                ms(r.tpot_p90_s, 1),  # a few ms per token: 1 ms steps are too coarse
                 f"{r.output_tokens_per_s:.0f}",
                 _pct(r.hit_ratio),
                 _pct(report.bound_hit_ratio),

@@ -1,11 +1,20 @@
 """Systems under test and the simulated fleet behind them: parsed by name, started, stopped.
 
+Prefill/decode (P/D) fleets (`FleetOptions.prefill_pods`): a picker system whose config has a
+`pd-profile-handler` routes them disaggregated, as llm-d does: Envoy -> picker -> llm-d's
+`pd-sidecar` in front of each decode pod (the endpoint the picker sees for it) -> the decode pod,
+the sidecar having first sent the prompt to the prefill pod the picker named in
+`x-prefiller-host-port`. Every other system routes the same pods aggregated: a simulated prefill
+pod serves a request without `kv_transfer_params` whole, as vLLM with a KV connector does, so
+they see a fleet of the same size with nothing disaggregated.
+
 Every process is started through `Launcher`, which writes its PID to `DIR/pids` the moment it
 exists and stops everything it started, newest first, however the run ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import signal
@@ -19,12 +28,15 @@ from typing import Protocol
 import yaml
 from kubernetes import client
 
-from picker.scheduling.labels import ROLE_LABEL
+from picker.disaggregation.handlers import PdProfileHandler
+from picker.scheduling.labels import ROLE_DECODE, ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
+from picker_bench.llmd import PdSidecar
 from picker_bench.process import ManagedProcess, free_port, http_ok, port_open
 from picker_bench.reference_epp import ReferenceEpp
 
 HOST = "127.0.0.1"
+PD_PROFILE_HANDLER = PdProfileHandler.plugin_type
 DECISION_METRIC = "inference_extension_scheduler_e2e_duration_seconds"
 ROUTER_POLICIES = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
@@ -48,6 +60,8 @@ class SystemSpec:
     url: str | None = None  # external systems
     replicas: int = 1  # picker systems: picker processes behind one Envoy
     shared_state: bool = False  # picker systems: the replicas share state through a redis-server
+    disaggregated: bool = False  # picker systems whose config has a pd-profile-handler
+    pd_sidecar: Path | None = None  # disaggregated systems: llm-d's pd-sidecar binary
 
 
 def parse_systems(
@@ -55,9 +69,11 @@ def parse_systems(
     picker_configs: dict[str, Path],
     reference_epp: Path | None = None,
     reference_config: Path | None = None,
+    pd_sidecar: Path | None = None,
 ) -> list[SystemSpec]:
     """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file;
-    `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default)."""
+    `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default);
+    a picker config with a `pd-profile-handler` reaches decode pods through `pd_sidecar`."""
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
@@ -76,7 +92,19 @@ def parse_systems(
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ValueError(f"{name!r}: replicas must be 1 to {MAX_REPLICAS}")
             shared = bool(replicated and replicated["store"])
-            specs.append(SystemSpec(name, kind, picker_configs.get(arg), replicas=replicas, shared_state=shared))
+            config = picker_configs.get(arg)
+            disaggregated = config is not None and declares_pd(config)
+            specs.append(
+                SystemSpec(
+                    name,
+                    kind,
+                    config,
+                    replicas=replicas,
+                    shared_state=shared,
+                    disaggregated=disaggregated,
+                    pd_sidecar=pd_sidecar if disaggregated else None,
+                )
+            )
         elif replicated:
             raise ValueError(f"{name!r}: only picker systems take @N replicas")
         elif arg:
@@ -92,6 +120,19 @@ def parse_systems(
     if not specs:
         raise ValueError("no systems given")
     return specs
+
+
+def declares_pd(config_file: Path) -> bool:
+    """Whether an EndpointPickerConfig file has a `pd-profile-handler` (a file that cannot be
+    read as one says no: the picker refuses it when it starts, with its own message)."""
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    plugins = config.get("plugins") if isinstance(config, dict) else None
+    return isinstance(plugins, list) and any(
+        isinstance(plugin, dict) and plugin.get("type") == PD_PROFILE_HANDLER for plugin in plugins
+    )
 
 
 class Stoppable(Protocol):
@@ -150,6 +191,7 @@ class FleetOptions:
     max_num_batched_tokens: int | None = None
     max_model_len: int = 32768
     base_port: int = 0  # 0 = free ports; fixed ports let an external gateway point at the fleet
+    prefill_pods: int = 0  # P/D fleets: the first this many of `pods` prefill, the rest decode
 
     def argv(self) -> list[str]:
         """The `picker sim` command line."""
@@ -185,6 +227,8 @@ class FleetOptions:
             argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
         if self.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.prefill_pods:
+            argv += ["--pd", f"{self.prefill_pods}:{self.pods - self.prefill_pods}"]
         return argv
 
 
@@ -257,11 +301,28 @@ class Gateway:
         return "\n".join(pages) if pages else None
 
 
+def start_sidecars(binary: Path, pods: Sequence[FleetPod], launcher: Launcher, tag: str) -> list[FleetPod]:
+    """llm-d's `pd-sidecar` (NIXL v2 connector, plain HTTP) in front of each decode pod, started
+    and healthy; `pods` with each decode pod's address replaced by its sidecar's."""
+    fronted = []
+    for pod in pods:
+        if pod.role != ROLE_DECODE:
+            fronted.append(pod)
+            continue
+        vllm_port = int(pod.address.rpartition(":")[2])
+        sidecar = PdSidecar(binary, vllm_port, launcher.log_dir, f"pd-sidecar-{tag}-{pod.name}")
+        launcher.start(sidecar.process)
+        sidecar.wait_ready()
+        fronted.append(dataclasses.replace(pod, address=sidecar.address))
+    return fronted
+
+
 def start_system(
     spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str, objectives: Path | None = None
 ) -> Gateway:
     """Start `spec` in front of `pods` and wait until it accepts requests; a picker reads the
-    workload's InferenceObjectives (priorities) from `objectives`."""
+    workload's InferenceObjectives (priorities) from `objectives`; a disaggregated picker system
+    reaches the decode pods through its `pd_sidecar`s."""
     log_dir = launcher.log_dir
     backends = [pod.address for pod in pods]
     admin = (HOST, free_port())
@@ -272,6 +333,10 @@ def start_system(
         envoy.wait_ready(envoy.ready)
         return Gateway(envoy.url)
     if spec.kind == "picker":
+        if spec.disaggregated and any(pod.role == ROLE_DECODE for pod in pods):
+            if spec.pd_sidecar is None:
+                raise RuntimeError(f"{spec.name}: a P/D config on a P/D fleet needs llm-d's pd-sidecar (--pd-sidecar)")
+            pods = start_sidecars(spec.pd_sidecar, pods, launcher, tag)
         argv = ["--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml"))]
         if spec.config_file:
             argv += ["--config-file", str(spec.config_file)]
