@@ -18,7 +18,6 @@ from picker.config.loader import build, parse_text
 from tests.e2e.charts import (
     by_kind,
     chart_image,
-    install_third_party_crds,
     one,
     render,
     validate_strict,
@@ -190,11 +189,6 @@ CASES: dict[str, dict[str, Any]] = {
         ],
     },
 }
-
-
-@pytest.fixture(scope="module")
-def third_party_crds(admin_api: client.ApiClient) -> None:
-    install_third_party_crds(admin_api)
 
 
 def picker_docs(helm_binary: Path, helm_env: dict[str, str], tmp_path: Path, values: dict[str, Any]) -> list[dict]:
