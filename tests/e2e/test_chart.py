@@ -549,6 +549,12 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
         ({"inferencePool": {"targetPortNumber": 8001}}, "targetPortNumber (8001"),
         ({"inferenceExtension": {"sidecar": {"enabled": True, "name": "proxy"}}}, "name and image are required"),
         (
+            {"inferenceExtension": {"sidecar": {"enabled": True}, "secureServing": False}},
+            "the shipped Envoy config reaches the picker at 127.0.0.1:9002 over TLS",
+        ),
+        ({"inferenceExtension": {"sidecar": {"enabled": True}, "extProcPort": 9100}}, "keep extProcPort 9002"),
+        ({"inferenceExtension": {"endpointsServer": {"targetPorts": [8000]}}}, "targetPorts"),
+        (
             {
                 "inferencePool": {
                     "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
