@@ -220,18 +220,26 @@ def pool_backends(tmp_path: Path) -> Iterator[tuple[list[str], int]]:
     process.stop()
 
 
-@pytest.mark.parametrize("value_set", ["reference-alone", "shipped-envoy"])
+@pytest.mark.parametrize("value_set", ["reference-alone", "reference-selector", "shipped-envoy"])
 def test_the_pair_routes_a_request_to_a_pod_of_the_pool(
     value_set, kube_cluster, admin_api, helm_binary, helm_env, third_party_crds, pool_backends, tmp_path
 ) -> None:
-    dash_f = [arg for path in value_files(value_set, tmp_path) for arg in ("-f", str(path))]
+    hosts, port = pool_backends
+    standalone = value_set == "reference-selector"
+    # The pods' label and port: the pool's in pool mode (set below), the selector's in standalone mode.
+    servers = {"endpointSelector": "app=vllm", "targetPorts": port}
+    values = [
+        *value_files(value_set, tmp_path),
+        values_file(tmp_path, {"inferenceExtension": {"endpointsServer": servers}} if standalone else {}, "pods.yaml"),
+    ]
+    dash_f = [arg for path in values for arg in ("-f", str(path))]
     namespace = create_namespace(admin_api, f"pair-{value_set}")
     helm(helm_binary, helm_env, "install", "rel", str(PICKER_CHART), "-n", namespace, *dash_f, kube=kube_cluster)
-    hosts, port = pool_backends
     for i, host in enumerate(hosts):
         create_pod(admin_api, namespace, f"vllm-{i}", {"app": "vllm"})
         set_pod_ready(admin_api, namespace, f"vllm-{i}", host)
-    put_pool(admin_api, namespace, "rel", {"app": "vllm"}, [port])
+    if not standalone:
+        put_pool(admin_api, namespace, "rel", {"app": "vllm"}, [port])
 
     deployment = client.AppsV1Api(admin_api).read_namespaced_deployment("rel-epp", namespace)
     pod = deployment.spec.template.spec
