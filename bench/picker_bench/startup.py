@@ -4,7 +4,8 @@
 Starts a real control plane (etcd + kube-apiserver) with the project's CRDs, an InferencePool v1 of
 8 target ports and endpoints/8 Pods Ready at distinct 127.0.x.y addresses, then starts each EPP
 `--runs` times and reports the seconds from process start to its gRPC health service answering
-SERVING (median, min, max): `picker serve` on the pool, `picker serve` on the same endpoints as
+SERVING (median, min, max) and the median CPU seconds it used until then (steadier than the wall
+time on a shared machine): `picker serve` on the pool, `picker serve` on the same endpoints as
 `--endpoints` (no Kubernetes), and the reference EPP on the pool with `--reference-epp`. Nothing
 listens at the endpoints: start to SERVING does not wait for their metrics.
 """
@@ -69,9 +70,24 @@ def create_pool(api: client.ApiClient, layout: PoolLayout) -> None:
         set_pod_ready(api, NAMESPACE, name, ip)
 
 
-def time_to_serving(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> float:
-    """Seconds from starting `argv` (which must take --grpc-port, --grpc-health-port and
-    --metrics-port) to its health service answering SERVING and its ext_proc port accepting."""
+@dataclass(frozen=True)
+class Start:
+    """One start: wall seconds from process start to SERVING, and the CPU seconds the process
+    used meanwhile (less sensitive than the wall time to what else the machine runs)."""
+
+    seconds: float
+    cpu_seconds: float
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def time_to_serving(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> Start:
+    """Starts `argv` (which must take --grpc-port, --grpc-health-port and --metrics-port) and
+    times it to its health service answering SERVING and its ext_proc port accepting."""
     grpc_port, health = free_port(), free_port()
     ports = ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health), "--metrics-port", str(free_port())]
     process = ManagedProcess(name, [*argv, *ports], log_dir, env=env)
@@ -83,7 +99,7 @@ def time_to_serving(name: str, argv: Sequence[str], log_dir: Path, env: dict[str
 
     try:
         process.wait_ready(serving, timeout=60)
-        return time.monotonic() - started
+        return Start(time.monotonic() - started, cpu_seconds(process.pid))
     finally:
         process.stop()
 
@@ -91,6 +107,14 @@ def time_to_serving(name: str, argv: Sequence[str], log_dir: Path, env: dict[str
 # Equal terms with the reference: TLS with a self-signed certificate made at start, no pprof,
 # tracing or metrics auth.
 _COMMON_FLAGS = ["--enable-pprof=false", "--tracing=false", "--metrics-endpoint-auth=false"]
+
+
+def picker_env(pycache: Path) -> dict[str, str]:
+    """The environment with bytecode cached in `pycache`: the image runs from bytecode compiled
+    at build time, which PYTHONDONTWRITEBYTECODE (often set in development) would keep from
+    being cached here, making every start compile the picker's sources."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPYCACHEPREFIX": str(pycache)}
 
 
 def picker_argv(*source: str) -> list[str]:
@@ -103,17 +127,20 @@ def reference_argv(binary: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class StartTimes:
-    """One EPP setup's start-to-SERVING seconds over its runs."""
+    """One EPP setup's starts."""
 
     label: str
-    seconds: tuple[float, ...]
+    starts: tuple[Start, ...]
 
     def row(self) -> str:
-        s = self.seconds
-        return f"{self.label:34} {statistics.median(s):6.2f} {min(s):6.2f} {max(s):6.2f}   {len(s)}"
+        s = [start.seconds for start in self.starts]
+        cpu = statistics.median(start.cpu_seconds for start in self.starts)
+        return f"{self.label:30} {statistics.median(s):6.2f} {min(s):6.2f} {max(s):6.2f} {cpu:6.2f}  {len(s)}"
 
 
-def measure(label: str, runs: int, start: Callable[[], float]) -> StartTimes:
+def measure(label: str, runs: int, start: Callable[[], Start]) -> StartTimes:
+    """`runs` timed starts after an untimed one (which fills the page and bytecode caches)."""
+    start()
     times = StartTimes(label, tuple(start() for _ in range(runs)))
     print(times.row(), flush=True)
     return times
@@ -141,23 +168,23 @@ def main(argv: list[str] | None = None) -> int:
             kubeconfig = str(cluster.admin_kubeconfig)
             pods = len(layout.pod_ips)
             print(f"{args.endpoints} endpoints ({pods} Pods x {MAX_TARGET_PORTS} target ports)")
-            print(f"{'start -> SERVING (s)':34} {'median':>6} {'min':>6} {'max':>6}   runs", flush=True)
+            print(f"{'start -> SERVING (s)':30} {'median':>6} {'min':>6} {'max':>6} {'CPU':>6}  runs", flush=True)
             pool_flags = ["--pool-name", POOL, "--pool-namespace", NAMESPACE, "--kubeconfig", kubeconfig]
-            measure(
-                "picker, InferencePool",
-                args.runs,
-                lambda: time_to_serving("picker", picker_argv(*pool_flags), log_dir),
-            )
+            env = picker_env(log_dir / "pycache")
+            pool = picker_argv(*pool_flags)
+            measure("picker, InferencePool", args.runs, lambda: time_to_serving("picker", pool, log_dir, env))
             if not args.no_static:
                 static = picker_argv("--endpoints", ",".join(layout.addresses))
-                measure("picker, --endpoints", args.runs, lambda: time_to_serving("picker-static", static, log_dir))
+                measure(
+                    "picker, --endpoints", args.runs, lambda: time_to_serving("picker-static", static, log_dir, env)
+                )
             if args.reference_epp is not None:
-                env = {**os.environ, "KUBECONFIG": kubeconfig}
-                binary = args.reference_epp
+                reference_env = {**os.environ, "KUBECONFIG": kubeconfig}
+                reference = reference_argv(args.reference_epp)
                 measure(
                     "reference EPP, InferencePool",
                     args.runs,
-                    lambda: time_to_serving("reference-epp", reference_argv(binary), log_dir, env),
+                    lambda: time_to_serving("reference-epp", reference, log_dir, reference_env),
                 )
         finally:
             cluster.stop()
