@@ -71,16 +71,20 @@ def list_call(api: client.ApiClient, path: str, **fixed: str | int | bool | None
     return call
 
 
+def _group_path(group: str, version: str) -> str:
+    return f"/apis/{quote(group, safe='')}/{quote(version, safe='')}"
+
+
 def namespaced_path(namespace: str, plural: str, group: str = "", version: str = "v1") -> str:
     """The path of a namespaced collection: the core group's when `group` is empty."""
-    prefix = f"/apis/{quote(group, safe='')}/{quote(version, safe='')}" if group else f"/api/{quote(version, safe='')}"
+    prefix = _group_path(group, version) if group else f"/api/{quote(version, safe='')}"
     return f"{prefix}/namespaces/{quote(namespace, safe='')}/{quote(plural, safe='')}"
 
 
 def served_resources(api: client.ApiClient, group: str, version: str, request_timeout: float) -> set[str]:
     """The resource names (plurals and subresources) API discovery lists for group/version;
     ApiException (404 when the group/version is not served) otherwise."""
-    response = get(api, f"/apis/{quote(group, safe='')}/{quote(version, safe='')}", request_timeout)
+    response = get(api, _group_path(group, version), request_timeout)
     try:
         body = json.loads(response.data)
     finally:
