@@ -33,7 +33,9 @@ to its endpoint between its pick and its end, per second, over the prefill rate)
 mean number of the picker's requests in flight at its endpoint over its life (the ledger's time
 integral from pick to end, the request itself included). One least-squares line through the
 samples, with exponential forgetting (`FORGET`), for the whole pool (`TpotByBatch` says why not
-one per endpoint). No sample yet: nothing learnt (`TpotByBatch.learnt` is False).
+one per endpoint), times a calibration learnt from how long decodes took against their
+prediction (`TpotByBatch.calibrate`). No sample yet: nothing learnt (`TpotByBatch.learnt` is
+False).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ FORGET = 1.0 - 1.0 / 256  # each TPOT sample's weight decays by this per later s
 MIN_BATCH_VARIANCE = 0.25  # sequences²: below it the samples show no slope of their own
 PREFILL_WINDOW_S = 10.0  # how long prefill sent to an endpoint counts towards its recent rate
 MAX_PREFILL_SHARE = 0.8  # ρ at most: an endpoint does not stop decoding altogether
+CALIBRATION_RATE = 0.05  # how far one response moves the decode calibration (in log units)
+MAX_CALIBRATION_STEP = math.log(4.0)  # one response's log ratio counts at most this much
+MAX_CALIBRATION = math.log(8.0)  # the calibration stays within 1/8..8
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -108,6 +113,7 @@ class TpotByBatch:
 
     def __init__(self) -> None:
         self._line = _Line()
+        self._log_scale = 0.0  # the calibration: log of what decodes took over what was predicted
         self._curve: TpotCurve | None = None  # fitted once per sample, read per candidate
 
     @property
@@ -125,8 +131,29 @@ class TpotByBatch:
         self._line.add(max(1.0, mean_batch), sample)
         self._curve = None
 
+    @property
+    def calibration(self) -> float:
+        """The factor the fitted line is multiplied by (1: none)."""
+        return math.exp(self._log_scale)
+
+    def calibrate(self, observed_seconds: float, predicted_seconds: float) -> None:
+        """Learn from one response's decode: `observed_seconds` from its first token to its end
+        against the `predicted_seconds` its endpoint was chosen on.
+
+        The line is fitted to samples with the prefill stall taken out, and a prediction puts the
+        stall back from the prefill share expected over the request's life. Both shares are
+        estimates, and the stall is convex in them (1 / (1 − ρ)), so the noise does not cancel:
+        on the Mooncake trace the decode took half its prediction for the median request. The
+        calibration moves the line towards what decodes really take (a stochastic step on the
+        log ratio, converging where the median ratio is 1), so the scorer's seconds are seconds."""
+        if observed_seconds <= 0.0 or predicted_seconds <= 0.0:
+            return
+        step = max(-MAX_CALIBRATION_STEP, min(MAX_CALIBRATION_STEP, math.log(observed_seconds / predicted_seconds)))
+        self._log_scale = max(-MAX_CALIBRATION, min(MAX_CALIBRATION, self._log_scale + CALIBRATION_RATE * step))
+        self._curve = None
+
     def curve(self) -> TpotCurve:
-        """The decode step line (all zero while nothing is learnt)."""
+        """The calibrated decode step line (all zero while nothing is learnt)."""
         curve = self._curve
         if curve is None:
             curve = self._curve = self._fit()
@@ -137,7 +164,8 @@ class TpotByBatch:
         if not line.samples:
             return TpotCurve(0.0, 0.0)
         batch, tpot, slope = line.fit()
-        return TpotCurve(max(0.0, tpot - slope * batch), slope)
+        scale = self.calibration
+        return TpotCurve(max(0.0, tpot - slope * batch) * scale, slope * scale)
 
 
 @dataclass(slots=True)

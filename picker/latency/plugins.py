@@ -633,6 +633,9 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             self.tpot.observe(life.mean_batch, share, outcome.duration_seconds - ttft, completion)
         explain = result.cycle_state.explain()
         predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
+        if request.stream and ttft is not None and predicted is not None and completion > 1:
+            # Per token, so an answer longer or shorter than expected does not pass for a slow decode.
+            self.tpot.calibrate(outcome.duration_seconds - ttft, predicted.tpot_seconds * (completion - 1))
         if predicted is not None and predicted.seconds > 0.0:
             ratio = E2E_PREDICTION_RATIO.labels
             ratio(request.target_model, "total").observe(outcome.duration_seconds / predicted.seconds)

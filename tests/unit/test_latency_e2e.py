@@ -161,6 +161,21 @@ def test_tpot_is_learnt_against_the_batch_and_many_running_decodes_predict_a_lon
     assert busy.harm_seconds > 0.0 == idle.harm_seconds  # the six would decode slower beside it
 
 
+def test_decodes_that_take_half_their_prediction_calibrate_the_line_down() -> None:
+    tpot = TpotByBatch()
+    tpot.observe(1.0, 0.0, 0.99, 100)  # 10 ms a token
+    assert tpot.curve().seconds(1.0) == pytest.approx(0.010)
+    for _ in range(200):  # decodes really take 5 ms a token, against the line's prediction as it is then
+        tpot.calibrate(0.005 * 99, tpot.curve().seconds(1.0) * 99)
+    assert tpot.curve().seconds(1.0) == pytest.approx(0.005, rel=0.1)
+    assert tpot.calibration == pytest.approx(0.5, rel=0.1)
+    for _ in range(1000):  # one wild response at a time moves it a bounded step; never past 1/8..8
+        tpot.calibrate(1000.0, 0.001)
+    assert tpot.calibration == pytest.approx(8.0)
+    tpot.calibrate(0.0, 1.0)  # nothing measured: nothing learnt
+    assert tpot.calibration == pytest.approx(8.0)
+
+
 def test_an_endpoint_that_answered_slowly_is_not_predicted_slower_at_the_same_load() -> None:
     # The pool's servers are alike: slow samples at one endpoint are its load's or noise, and a
     # line of its own would keep traffic off it (and its line slow) for good.
