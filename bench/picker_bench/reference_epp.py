@@ -11,24 +11,28 @@ The binary is a build of the Go module `sigs.k8s.io/gateway-api-inference-extens
 whose source tree (charts, docs, test data) the tests also read as an oracle:
 `reference_epp_binary()` builds it once into the binary cache; `python -m picker_bench.reference_epp`
 does so and prints its path.
+
+llm-d's scheduler (`cmd/epp` of `github.com/llm-d/llm-d-inference-scheduler@v0.4.0`) is a GIE
+runner with llm-d's plugins and runs the same way (`llmd_epp_binary()`, `python -m
+picker_bench.reference_epp llmd-epp`); `picker_bench.llmd_epp` says what else it needs.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kubernetes import client
 from kubernetes import config as kube_config
 
+from picker_bench.gobuild import GoModule, GoModuleUnavailableError, run_niced
 from picker_bench.kube_cluster import BIN_DIR, KubeCluster
 from picker_bench.kube_resources import (
     apply_manifests,
@@ -40,7 +44,7 @@ from picker_bench.kube_resources import (
 from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
 
 REFERENCE_VERSION = "v1.5.0"
-REFERENCE_MODULE = f"sigs.k8s.io/gateway-api-inference-extension@{REFERENCE_VERSION}"
+LLMD_VERSION = "v0.4.0"
 POD_LABELS = {"app": "bench-backend"}
 NAMESPACE = "default"  # the API server creates it at start
 POOL = "bench"
@@ -48,8 +52,13 @@ CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
 MAX_TARGET_PORTS = 8  # the InferencePool v1 CRD's maxItems
 
 
-class ReferenceUnavailableError(RuntimeError):
-    pass
+ReferenceUnavailableError = GoModuleUnavailableError  # the name the tests catch
+
+REFERENCE = GoModule("sigs.k8s.io/gateway-api-inference-extension", REFERENCE_VERSION)
+LLMD = GoModule("github.com/llm-d/llm-d-inference-scheduler", LLMD_VERSION)
+# The Rust tokenizers binding llm-d's kv-cache manager v0.4.0 pins; its `cmd/epp` links its
+# static library through cgo.
+TOKENIZERS = GoModule("github.com/daulet/tokenizers", "v1.22.1")
 
 
 def start_reference_epp(
@@ -63,13 +72,17 @@ def start_reference_epp(
     *,
     config_file: Path | None = None,
     name: str = "reference-epp",
+    role: str = "reference-epp",
     metrics_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
     on_spawn: Callable[[int, str], None] | None = None,
 ) -> ManagedProcess:
-    """The reference `epp` for pool namespace/name, with `kubeconfig`'s credentials, serving
-    ext_proc on `grpc_port`; returns once its health service says SERVING. `config_file` is its
-    EndpointPickerConfig (None: its built-in default); `on_spawn(pid, "reference-epp")` hears of
-    the process the moment it exists."""
+    """The reference `epp` (or an EPP built on it, as llm-d's, with `extra_args`) for pool
+    namespace/name, with `kubeconfig`'s credentials, serving ext_proc on `grpc_port`; returns once
+    its health service says SERVING. `config_file` is its EndpointPickerConfig (None: its
+    built-in default); `on_spawn(pid, role)` hears of the process the moment it exists."""
     health = free_port()
     argv = [
         str(binary),
@@ -89,99 +102,130 @@ def start_reference_epp(
         "--enable-pprof=false",
         "--tracing=false",
         "--metrics-endpoint-auth=false",
+        *extra_args,
     ]
     # Its metric names need no flags (v1.5.0 refuses the old ones): the built-in vLLM engine
     # config reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as the sim serves.
     if config_file is not None:
         argv += ["--config-file", str(config_file)]
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    process = ManagedProcess(name, argv, log_dir, env=env).start()
+    env = {**os.environ, **(extra_env or {}), "KUBECONFIG": str(kubeconfig)}
+    process = ManagedProcess(name, argv, log_dir, env=env, cwd=cwd).start()
     if on_spawn is not None:
-        on_spawn(process.pid, "reference-epp")
+        on_spawn(process.pid, role)
     process.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
     return process
 
 
-def _go() -> str:
-    go = os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go"
-    if not os.access(go, os.X_OK):
-        raise ReferenceUnavailableError(f"Go is needed to fetch {REFERENCE_MODULE} and is not installed")
-    return go
-
-
-@functools.cache
 def reference_dir() -> Path:
     """The module's read-only directory in the Go module cache (fetched the first time)."""
-    with tempfile.TemporaryDirectory() as outside_any_module:
-        result = subprocess.run(
-            [_go(), "mod", "download", "-json", REFERENCE_MODULE],
-            cwd=outside_any_module,
-            env={**os.environ, "GOFLAGS": ""},
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=600,
-        )
-    if result.returncode != 0:
-        raise ReferenceUnavailableError(f"go mod download {REFERENCE_MODULE} failed:\n{result.stdout}{result.stderr}")
-    return Path(json.loads(result.stdout)["Dir"])
+    return REFERENCE.source_dir()
 
 
 def reference_epp_binary() -> Path:
     """The reference EPP's binary in the binary cache (`epp-v1.5.0`), built from its module the
     first time (a few minutes of CPU on 2 cores, at the lowest priority)."""
-    binary = BIN_DIR / f"epp-{REFERENCE_VERSION}"
+    return REFERENCE.binary("./cmd/epp", "epp")
+
+
+def tokenizers_library() -> Path:
+    """The directory holding `libtokenizers.a`, the static library of the Rust crate in the Go
+    module github.com/daulet/tokenizers, built the first time with cargo (its Cargo.lock, at
+    the lowest priority) and cached beside the binary cache."""
+    lib_dir = BIN_DIR.parent / "lib" / f"tokenizers-{TOKENIZERS.version}"
+    library = lib_dir / "libtokenizers.a"
+    if library.is_file():
+        return lib_dir
+    cargo = os.environ.get("CARGO") or shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
+    if not os.access(cargo, os.X_OK):
+        raise GoModuleUnavailableError(
+            f"cargo is needed to build {TOKENIZERS.path}'s Rust library and is not installed"
+        )
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib_dir) as scratch:
+        crate = Path(scratch) / "crate"
+        shutil.copytree(TOKENIZERS.source_dir(), crate)  # the module cache is read-only
+        for path in (crate, *crate.rglob("*")):
+            path.chmod(path.stat().st_mode | stat.S_IWUSR)
+        run_niced([cargo, "build", "--release", "--locked"], crate, os.environ, "cargo build")
+        partial = Path(scratch) / "libtokenizers.a"
+        shutil.copy(crate / "target" / "release" / "libtokenizers.a", partial)
+        # Debian's binutils load an LLVM 14 linker plugin that cannot read newer rustc's bitcode
+        # sections, and the archive index then lacks Rust's std (the Go link fails with
+        # undefined references to core::panicking): drop the bitcode before indexing.
+        objcopy = ["objcopy", "--remove-section", ".llvmbc", "--remove-section", ".llvmcmd", str(partial)]
+        run_niced(objcopy, Path(scratch), os.environ, "objcopy")
+        run_niced(["ranlib", str(partial)], Path(scratch), os.environ, "ranlib")
+        partial.replace(library)
+    return lib_dir
+
+
+def python_config(*flags: str) -> str:
+    """`python3.11-config FLAGS` of the interpreter running this (whose site-packages the built
+    binary's embedded Python then shares)."""
+    config = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}-config"
+    if not os.access(config, os.X_OK):
+        raise GoModuleUnavailableError(
+            f"{config} is missing: llm-d's epp embeds Python (apt-get install python3.11-dev)"
+        )
+    result = subprocess.run([str(config), *flags], capture_output=True, text=True, check=True)
+    return result.stdout.strip()
+
+
+def llmd_epp_binary() -> Path:
+    """llm-d's scheduler (`cmd/epp` of its module, v0.4.0) in the binary cache (`llmd-epp-v0.4.0`),
+    built the first time: cgo with libzmq (apt-get install libzmq3-dev), this interpreter's
+    libpython (its chat-template rendering) and the tokenizers library above (about 12 minutes
+    of CPU on 2 cores all told, at the lowest priority)."""
+    binary = BIN_DIR / f"llmd-epp-{LLMD_VERSION}"
     if os.access(binary, os.X_OK):
         return binary
-    source = reference_dir()
-    BIN_DIR.mkdir(parents=True, exist_ok=True)
-    partial = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")  # concurrent builds each rename their own
-    # GOWORK=off: the module's go.work names a folder its zip lacks. CGO_ENABLED=0 as its Dockerfile.
-    env = {**os.environ, "GOFLAGS": "", "GOWORK": "off", "CGO_ENABLED": "0"}
-    build = ["build", "-trimpath", "-ldflags", "-s -w", "-o", str(partial), "./cmd/epp"]
-    for args in (["mod", "download"], build):
-        result = subprocess.run(
-            [_go(), *args],
-            cwd=source,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=3600,
-            preexec_fn=functools.partial(os.nice, 19),
-        )
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise ReferenceUnavailableError(f"go {' '.join(args)} in {source} failed:\n{result.stdout}{result.stderr}")
-    partial.replace(binary)
-    return binary
+    lib_dir = tokenizers_library()
+    build_env = {
+        "CGO_ENABLED": "1",
+        "CGO_CFLAGS": python_config("--cflags"),
+        "CGO_LDFLAGS": f"{python_config('--ldflags', '--embed')} -L{lib_dir} -ltokenizers -ldl -lm",
+    }
+    return LLMD.binary("./cmd/epp", "llmd-epp", build_env)
 
 
 class ReferenceEpp:
-    """The control plane and the reference EPP over it; `start()` returns once it serves.
+    """The control plane and the reference EPP (or one built on it, as llm-d's) over it;
+    `start()` returns once it serves.
 
-    `config_file` is its EndpointPickerConfig (None: its built-in default); `on_spawn(pid, role)`
-    hears of every process started ("etcd", "kube-apiserver", "reference-epp") the moment it exists;
-    `name` names the EPP's log file.
+    The pool's endpoints are one Pod per address in `hosts`, each with every port in `ports`
+    (the InferencePool's target ports): one address with a port per backend, or one address per
+    backend at one port (IP-keyed schedulers such as llm-d's precise one tell pods apart only so).
+    `config_file` is its EndpointPickerConfig (None: its built-in default); `extra_args`,
+    `extra_env` and `cwd` are for EPPs that need more; `on_spawn(pid, role)` hears of every
+    process started ("etcd", "kube-apiserver", `role`) the moment it exists; `name` names the
+    EPP's log file.
     """
 
     def __init__(
         self,
         binary: Path,
-        host: str,
+        hosts: Sequence[str],
         ports: list[int],
         tls: bool,
         log_dir: Path,
         config_file: Path | None = None,
         name: str = "reference-epp",
         on_spawn: Callable[[int, str], None] | None = None,
+        *,
+        role: str = "reference-epp",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         if not os.access(binary, os.X_OK):
-            raise FileNotFoundError(f"--reference-epp {binary}: not an executable file")
+            raise FileNotFoundError(f"--{role} {binary}: not an executable file")
         if not 1 <= len(ports) <= MAX_TARGET_PORTS:
             raise ValueError(f"the reference EPP takes 1 to {MAX_TARGET_PORTS} target ports, not {len(ports)}")
-        self.binary, self.host, self.ports, self.tls, self.log_dir = binary, host, ports, tls, log_dir
-        self.config_file, self.name, self.on_spawn = config_file, name, on_spawn
+        if not hosts or len(set(hosts)) != len(hosts):
+            raise ValueError(f"the pool's Pods need distinct addresses, not {list(hosts)}")
+        self.binary, self.hosts, self.ports, self.tls, self.log_dir = binary, list(hosts), ports, tls, log_dir
+        self.config_file, self.name, self.on_spawn, self.role = config_file, name, on_spawn, role
+        self.extra_args, self.extra_env, self.cwd = list(extra_args), dict(extra_env or {}), cwd
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.cluster: KubeCluster | None = None
         self.process: ManagedProcess | None = None
@@ -196,8 +240,10 @@ class ReferenceEpp:
             apply_manifests(api, crds)
             wait_crds_established(api, [crd.stem for crd in crds])
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
-            create_pod(api, NAMESPACE, "bench-backend", POD_LABELS)
-            set_pod_ready(api, NAMESPACE, "bench-backend", self.host)
+            for i, host in enumerate(self.hosts):
+                pod = "bench-backend" if len(self.hosts) == 1 else f"bench-backend-{i}"
+                create_pod(api, NAMESPACE, pod, POD_LABELS)
+                set_pod_ready(api, NAMESPACE, pod, host)
         started = time.monotonic()
         self.process = start_reference_epp(
             self.binary,
@@ -209,7 +255,11 @@ class ReferenceEpp:
             self.log_dir,
             config_file=self.config_file,
             name=self.name,
+            role=self.role,
             metrics_port=self.metrics_port,
+            extra_args=self.extra_args,
+            extra_env=self.extra_env,
+            cwd=self.cwd,
             on_spawn=self.on_spawn,
         )
         self.startup_seconds = time.monotonic() - started
@@ -231,10 +281,18 @@ class ReferenceEpp:
             self.cluster.stop()
 
 
-def main() -> int:
-    """`python -m picker_bench.reference_epp`: build the binary if it is not cached; print its path."""
+BUILDERS: dict[str, Callable[[], Path]] = {"epp": reference_epp_binary, "llmd-epp": llmd_epp_binary}
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """`python -m picker_bench.reference_epp [epp|llmd-epp]`: build the reference's binary (or
+    llm-d's scheduler) if it is not cached; print its path."""
+    which = argv[0] if argv else "epp"
+    if which not in BUILDERS:
+        print(f"picker_bench.reference_epp: build one of {', '.join(BUILDERS)}, not {which!r}", file=sys.stderr)
+        return 2
     try:
-        print(reference_epp_binary())
+        print(BUILDERS[which]())
     except ReferenceUnavailableError as e:
         print(f"picker_bench.reference_epp: {e}", file=sys.stderr)
         return 1
@@ -242,4 +300,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -25,6 +25,7 @@ from picker_bench.systems import (
     SystemSpec,
     start_fleet,
     start_system,
+    system_fleet,
 )
 from picker_bench.workloads import Prompt, Session
 from picker_sim.engine import answer_ids
@@ -188,8 +189,9 @@ def _measure(
 ) -> SystemResult:
     """One system: a cold fleet, the system in front of it, the whole workload, the numbers and
     where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
+    fleet = system_fleet(spec, fleet)
     _, pods = start_fleet(fleet, launcher, tag)
-    gateway = start_system(spec, pods, launcher, tag, objectives)
+    gateway = start_system(spec, pods, launcher, tag, objectives, fleet)
     options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
     counters = Progress(requests)
 
@@ -204,7 +206,10 @@ def _measure(
     results = asyncio.run(measured())
     _write_requests(results, plan.out_dir / "requests" / f"{spec.name.replace(':', '-')}.jsonl")
     attribution = attribute(results, blocks, fleet.block_size, pod_blocks(fleet))
-    return replace(summarize(results, fleet.pods, gateway.decision_time()), attribution=attribution)
+    metrics = gateway.metrics()
+    if metrics is not None:  # what the system counted itself (KV events read, index lookups), for a later look
+        (launcher.log_dir / f"metrics-{tag}.prom").write_text(metrics)
+    return replace(summarize(results, fleet.pods, gateway.decision_time(metrics)), attribution=attribution)
 
 
 def _write_requests(results: Sequence[RequestResult], path: Path) -> None:
