@@ -14,6 +14,7 @@ from types import FrameType
 from picker_bench import report as reports
 from picker_bench import workloads
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
+from picker_bench.llmd_epp import precise_hash_seed
 from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
 from picker_bench.systems import EPP_KINDS, KINDS, FleetOptions, SystemSpec, parse_systems
@@ -346,6 +347,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         max_num_batched_tokens=args.max_num_batched_tokens,
         base_port=args.sim_base_port,
         distinct_hosts=args.distinct_hosts,
+        # every fleet hashes as llm-d's precise scorer's does, so all read alike-hashed events
+        hash_seed=precise_hash_seed() if any(spec.kind == "llmd-precise" for spec in systems) else None,
     )
     return BenchPlan(
         tuple(systems),

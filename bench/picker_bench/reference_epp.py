@@ -1,9 +1,9 @@
 """The reference EPP (v1.5.0's `epp` binary) run beside the picker, for side-by-side benchmarks.
 
 It reads its endpoints only from a Kubernetes API, so this starts a real one (etcd +
-kube-apiserver, `picker_bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and one
-Pod whose status says Running and Ready at a local IP: the pool's target ports are the backend's
-ports, one endpoint each (at most 8, the CRD's limit). Its standalone mode
+kube-apiserver, `picker_bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and a
+Pod per backend address whose status says Running and Ready at that IP: the pool's target ports
+are the backends' ports, one endpoint per Pod and port (at most 8 ports, the CRD's limit). Its standalone mode
 (`--endpoint-selector`) cannot start in v1.5.0: it requires a pool name that its flag
 validation forbids.
 

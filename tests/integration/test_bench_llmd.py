@@ -48,7 +48,10 @@ def test_llmd_approximate_and_precise_beside_picker_precise(tmp_path: Path, llmd
     )
     output = finish(proc, 600)
     assert proc.returncode == 0, output
-    results = json.loads((tmp_path / "results.json").read_text())["systems"]
+    report = json.loads((tmp_path / "results.json").read_text())
+    # Every fleet hashes blocks as llm-d's precise config says (its hashSeed), on one address per pod.
+    assert report["settings"]["fleet"]["hash_seed"] == "42" and report["settings"]["fleet"]["distinct_hosts"]
+    results = report["systems"]
     for name in systems.split(","):
         assert results[name]["requests"] > 10 and results[name]["errors"] == 0, (name, results[name])
         # Its own scheduler histogram, read from its /metrics: it chose the pod of every request.
