@@ -2,6 +2,9 @@
 
 A new plugin type is added here (and nowhere else): its implementation lives with its concern
 (scheduling, prefix, latency, kvevents, datalayer, request) and knows nothing of this list.
+Types of the optional concerns (latency prediction, KV events, disaggregation) are registered by
+name and imported when a config names them (`DeferredFactory`): their modules cost the start a
+fifth of its imports otherwise.
 The reference EPP's types the picker does not have are listed too, with the reason a config
 naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`), and so are llm-d's scorers the picker does not
 have yet (`UNSUPPORTED_LLMD_TYPES`).
@@ -10,18 +13,8 @@ have yet (`UNSUPPORTED_LLMD_TYPES`).
 from __future__ import annotations
 
 from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer, MetricsDataSource
-from picker.disaggregation.handlers import DataParallelProfileHandler, PdProfileHandler, PrefillHeaderHandler
 from picker.flowcontrol.policies import POLICY_FACTORIES
-from picker.framework.registry import Registration, Registry
-from picker.kvevents.plugins import PreciseScorer
-from picker.latency.plugins import (
-    E2eCostScorer,
-    LatencyScorer,
-    LatencySloAdmitter,
-    PredictedLatencyProducer,
-    PrefixCacheAffinityFilter,
-    SloHeadroomTierFilter,
-)
+from picker.framework.registry import DeferredFactory, Registration, Registry
 from picker.prefix.no_hit_lru import NoHitLruScorer
 from picker.prefix.plugins import (
     PREFIX_MATCH_KEY,
@@ -51,6 +44,13 @@ from picker.scheduling.scorers import (
     TokenLoadScorer,
 )
 
+
+def _deferred(module: str, *types: tuple[str, str]) -> list[Registration]:
+    """Registrations of (plugin type, class name) pairs of `module`, imported when first used
+    (tests/unit/test_plugin_registry.py checks each type is its class's)."""
+    return [Registration(plugin_type, DeferredFactory(module, class_name)) for plugin_type, class_name in types]
+
+
 REGISTRY = Registry(
     [
         # scheduling: scorers, filters, pickers, profile handlers, saturation detectors
@@ -72,9 +72,12 @@ REGISTRY = Registry(
         Registration(ByLabelSelector.plugin_type, ByLabelSelector.create),
         Registration(PrefillFilter.plugin_type, PrefillFilter.create),
         Registration(DecodeFilter.plugin_type, DecodeFilter.create),
-        Registration(PdProfileHandler.plugin_type, PdProfileHandler.create),
-        Registration(PrefillHeaderHandler.plugin_type, PrefillHeaderHandler.create),
-        Registration(DataParallelProfileHandler.plugin_type, DataParallelProfileHandler.create),
+        *_deferred(
+            "picker.disaggregation.handlers",
+            ("pd-profile-handler", "PdProfileHandler"),
+            ("prefill-header-handler", "PrefillHeaderHandler"),
+            ("data-parallel-profile-handler", "DataParallelProfileHandler"),
+        ),
         # prefix: the approximate index, its scorers and the TTFT cost model
         Registration(
             ApproxPrefixCacheProducer.plugin_type,
@@ -88,14 +91,17 @@ REGISTRY = Registry(
         Registration(NoHitLruScorer.plugin_type, NoHitLruScorer.create),
         # latency: the reference's latency-predictor plugins, on the picker's TTFT and TPOT models, and
         # the picker's completion-time cost
-        Registration(PredictedLatencyProducer.plugin_type, PredictedLatencyProducer.create),
-        Registration(LatencyScorer.plugin_type, LatencyScorer.create),
-        Registration(PrefixCacheAffinityFilter.plugin_type, PrefixCacheAffinityFilter.create),
-        Registration(SloHeadroomTierFilter.plugin_type, SloHeadroomTierFilter.create),
-        Registration(LatencySloAdmitter.plugin_type, LatencySloAdmitter.create),
-        Registration(E2eCostScorer.plugin_type, E2eCostScorer.create),
+        *_deferred(
+            "picker.latency.plugins",
+            ("predicted-latency-producer", "PredictedLatencyProducer"),
+            ("latency-scorer", "LatencyScorer"),
+            ("prefix-cache-affinity-filter", "PrefixCacheAffinityFilter"),
+            ("slo-headroom-tier-filter", "SloHeadroomTierFilter"),
+            ("latency-slo-admitter", "LatencySloAdmitter"),
+            ("e2e-cost-scorer", "E2eCostScorer"),
+        ),
         # kvevents: the precise index fed by the engines' KV-cache events
-        Registration(PreciseScorer.plugin_type, PreciseScorer.create),
+        *_deferred("picker.kvevents.plugins", ("precise-prefix-cache-scorer", "PreciseScorer")),
         # datalayer: what to scrape and read
         Registration(MetricsDataSource.plugin_type, MetricsDataSource.create),
         Registration(CoreMetricsExtractor.plugin_type, CoreMetricsExtractor.create),

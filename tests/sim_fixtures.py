@@ -12,9 +12,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import msgpack
 import zmq
 import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 END_OF_REPLAY = b"\xff" * 8
 
@@ -192,3 +194,21 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
     return proc.returncode
+
+
+async def pod_metrics(http: aiohttp.ClientSession, address: str) -> dict[str, float]:
+    """A sim pod's /metrics samples by name, a `source` label appended as `{source}`
+    (`vllm:prompt_tokens_by_source_total{external_kv_transfer}`)."""
+    async with http.get(f"http://{address}/metrics") as resp:
+        text = await resp.text()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            source = s.labels.get("source")
+            samples[s.name + (f"{{{source}}}" if source else "")] = s.value
+    return samples
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    """How much the sample `name` grew from `before` to `after` (absent counts as 0)."""
+    return after.get(name, 0.0) - before.get(name, 0.0)

@@ -8,18 +8,21 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 from picker_bench import report as reports
 from picker_bench import workloads
+from picker_bench.capacity import CapacityPlan, Slo, run_capacity, terminal_text
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
 from picker_bench.llmd_epp import precise_hash_seed
 from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
 from picker_bench.systems import EPP_KINDS, KINDS, FleetOptions, SystemSpec, parse_systems
 
-WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant")
+WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant", "pd-mix")
 # Flags that override one field of a workload spec: flag dest -> spec field.
 SPEC_FLAGS = {
     "shared-prefix": {
@@ -67,6 +70,15 @@ SPEC_FLAGS = {
         "burst_start": "burst_start",
         "burst_end": "burst_end",
     },
+    "pd-mix": {
+        "long_share": "long_share",
+        "document_len": "document_len",
+        "long_output_len": "long_output_len",
+        "applications": "applications",
+        "system_prompt_len": "system_prompt_len",
+        "question_len": "question_len",
+        "output_len": "output_len",
+    },
 }
 # Spec fields for which 0 is a meaningful value (no pause, uniform popularity, no one-offs).
 ZERO_ALLOWED = (
@@ -77,6 +89,7 @@ ZERO_ALLOWED = (
     "think_scale",
     "one_off_share",
     "burst_start",
+    "long_share",
 )
 WorkloadSpec = (
     workloads.SharedPrefixSpec
@@ -84,6 +97,7 @@ WorkloadSpec = (
     | workloads.LongDocSpec
     | workloads.ConversationSpec
     | workloads.MultiTenantSpec
+    | workloads.PdMixSpec
 )
 # Sized for a 2-core machine: small enough to run in a minute or two, with KV caches too small
 # to hold every shared prefix on every pod, so where a request goes decides whether it hits.
@@ -103,11 +117,25 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     # (the steady tenants use 40% of it, the burst 3x). Give `--max-concurrency` room for the
     # burst's backlog (e.g. 2000): at the cap the client itself queues every tenant's requests.
     "multi-tenant": workloads.MultiTenantSpec(),
+    # Chat with 25% long documents wanting long answers (see PdMixSpec): on 4 pods at 10 req/s an
+    # aggregated fleet's decodes stall behind the documents' prefills, which `--pd 2:2` moves to
+    # its prefill pods.
+    "pd-mix": workloads.PdMixSpec(),
 }
 # 2048 blocks of 16 tokens hold about 14 of the default 2048-token shared prefixes per pod.
 GENERATED_NUM_GPU_BLOCKS = 2048
 DEFAULT_DURATION_S = 60.0
-DEFAULT_RATES = {"shared-prefix": 28.0, "multi-turn": 20.0, "long-doc": 4.0, "conversation": 10.0, "multi-tenant": 1.2}
+# Capacity steps are short: several per system, each a cold fleet.
+DEFAULT_CAPACITY_STEP_S = 20.0
+DEFAULT_PODS = 4
+DEFAULT_RATES = {
+    "shared-prefix": 28.0,
+    "multi-turn": 20.0,
+    "long-doc": 4.0,
+    "conversation": 10.0,
+    "multi-tenant": 1.2,
+    "pd-mix": 10.0,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--llmd-epp",
         type=Path,
         metavar="PATH",
-        help="llm-d's scheduler binary (v0.4.0, `python -m picker_bench.reference_epp llmd-epp` builds it), "
+        help="llm-d's scheduler binary (v0.4.0, `python -m picker_bench.llmd llmd-epp` builds it), "
         "for systems llmd (approximate) and llmd-precise (on the engines' KV events): run as reference-epp",
     )
     p.add_argument(
@@ -188,7 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     sim = p.add_argument_group("simulated fleet (the same for every system)")
-    sim.add_argument("--pods", type=int, default=4, help="simulated pods (default 4)")
+    sim.add_argument("--pods", type=int, help=f"simulated pods (default {DEFAULT_PODS})")
+    sim.add_argument(
+        "--pd",
+        metavar="P:D",
+        help="a prefill/decode fleet: P prefill pods then D decode pods (labels llm-d.ai/role), instead of "
+        "--pods. Picker systems whose config has a pd-profile-handler route it disaggregated, through "
+        "llm-d's pd-sidecar in front of each decode pod (--pd-sidecar); every other system sees its "
+        "P+D pods as one aggregated fleet (a prefill pod serves a plain request whole)",
+    )
+    sim.add_argument(
+        "--pd-sidecar",
+        type=Path,
+        metavar="PATH",
+        help="llm-d's pd-sidecar binary (v0.4.0), for P/D picker systems on a --pd fleet",
+    )
     sim.add_argument("--model", default="sim-model")
     sim.add_argument("--profile", default="llama3-8b-h100", help="sim timing profile")
     sim.add_argument("--time-scale", type=float, default=1.0, help="sim runs this many times faster")
@@ -208,6 +250,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--distinct-hosts",
         action="store_true",
         help="pod i on 127.0.0.(1+i), all at one port (schedulers that key engines by IP, as llmd-precise, need it)",
+    )
+    capacity = p.add_argument_group("capacity at an SLO")
+    capacity.add_argument(
+        "--capacity",
+        action="store_true",
+        help="per system, play the workload at rising rates (a trace: replay speeds), one step of --duration "
+        f"(default {DEFAULT_CAPACITY_STEP_S:g} s) each on a cold fleet, until a step breaks the SLO or has an "
+        "error; report the highest passing rate and the goodput there",
+    )
+    capacity.add_argument("--slo-ttft-p90", type=float, metavar="SECONDS", help="--capacity: TTFT p90 SLO (required)")
+    capacity.add_argument("--slo-tpot-p90", type=float, metavar="SECONDS", help="--capacity: TPOT p90 SLO (optional)")
+    capacity.add_argument(
+        "--rates",
+        help="--capacity: comma-separated step rates in req/s (a trace: replay speeds), e.g. 2,4,6,8",
+    )
+    capacity.add_argument(
+        "--rate-steps",
+        type=int,
+        default=4,
+        help="--capacity without --rates: this many steps from --rate (a trace: --speed) up (default 4)",
+    )
+    capacity.add_argument(
+        "--rate-factor", type=float, default=1.5, help="--capacity without --rates: each step's rate over the last's"
+    )
+    capacity.add_argument(
+        "--refine",
+        type=int,
+        default=0,
+        help="--capacity: bisect this many times between a system's last passing and first failing rate (default 0)",
     )
     spec = p.add_argument_group("workload shape (defaults sized for a 2-core machine)")
     for flag, kind in (
@@ -234,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("--burst-rate", float),
         ("--burst-start", float),
         ("--burst-end", float),
+        ("--long-share", float),
+        ("--long-output-len", int),
     ):
         spec.add_argument(flag, type=kind)
     spec.add_argument(
@@ -241,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="send each conversation's session key as `prompt_cache_key` (default: on)",
+    )
+    spec.add_argument(
+        "--max-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each answer's length as `max_tokens` with `ignore_eos` (default: on); with --no-max-tokens "
+        "it goes as `min_tokens` only, where the simulated model ends its answer: the router is not told",
     )
     return p
 
@@ -269,6 +349,8 @@ def generate_sessions(spec: WorkloadSpec, rate: float, duration_s: float, seed: 
         return workloads.conversation(spec, rate, duration_s, seed)
     if isinstance(spec, workloads.MultiTenantSpec):
         return workloads.multi_tenant(spec, rate, duration_s, seed)
+    if isinstance(spec, workloads.PdMixSpec):
+        return workloads.pd_mix(spec, rate, duration_s, seed)
     return workloads.long_doc(spec, rate, duration_s, seed)
 
 
@@ -302,10 +384,37 @@ def build_sessions(args: argparse.Namespace) -> tuple[str, list[workloads.Sessio
     return f"trace {path.name} x{args.speed:g}", sessions, settings
 
 
+def fleet_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """The fleet's pods and, of them, prefill pods (0: not a P/D fleet), from --pods and --pd."""
+    if args.pd is None:
+        pods = DEFAULT_PODS if args.pods is None else args.pods
+        if pods < 1:
+            raise ValueError("--pods must be at least 1")
+        return pods, 0
+    prefill, sep, decode = args.pd.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit() or int(prefill) < 1 or int(decode) < 1:
+        raise ValueError(f"--pd {args.pd!r}: must be P:D, at least one prefill and one decode pod (e.g. 1:3)")
+    pods = int(prefill) + int(decode)
+    if args.pods is not None and args.pods != pods:
+        raise ValueError(f"--pods {args.pods} disagrees with --pd {args.pd} ({pods} pods)")
+    return pods, int(prefill)
+
+
+def check_pd_sidecar(args: argparse.Namespace, systems: list[SystemSpec]) -> None:
+    """A P/D picker system on a P/D fleet needs llm-d's pd-sidecar, checked before anything starts."""
+    if args.pd_sidecar is not None and not os.access(args.pd_sidecar, os.X_OK):
+        raise ValueError(f"--pd-sidecar {args.pd_sidecar}: not an executable file")
+    disaggregated = [spec.name for spec in systems if spec.disaggregated]
+    if args.pd is not None and disaggregated and args.pd_sidecar is None:
+        raise ValueError(
+            f"{', '.join(disaggregated)}: a P/D config on a --pd fleet runs llm-d's pd-sidecar in front of each "
+            "decode pod: give --pd-sidecar PATH (e.g. ~/.cache/picker/bin/pd-sidecar-v0.4.0)"
+        )
+
+
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate everything up front so a bad flag fails before any process starts."""
-    if args.pods < 1:
-        raise ValueError("--pods must be at least 1")
+    pods, prefill_pods = fleet_shape(args)
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.num_gpu_blocks is not None and args.num_gpu_blocks < 1:
@@ -325,19 +434,22 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             args.llmd_epp and args.llmd_epp.resolve(),
             args.llmd_config and args.llmd_config.resolve(),
             args.epp_log_verbosity,
+            args.pd_sidecar and args.pd_sidecar.resolve(),
         )
         if args.systems
         else []
     )
-    check_reference_epp(args, systems)
+    check_reference_epp(args, systems, pods)
+    check_pd_sidecar(args, systems)
     workload, sessions, settings = build_sessions(args)
     if not sessions:
         raise ValueError("the workload has no requests within --duration")
     if not args.session_keys:
         sessions = workloads.without_session_keys(sessions)
     settings["session_keys"] = args.session_keys
+    settings["max_tokens"] = args.max_tokens
     fleet = FleetOptions(
-        pods=args.pods,
+        pods=pods,
         model=args.model,
         profile=args.profile,
         time_scale=args.time_scale,
@@ -349,6 +461,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         distinct_hosts=args.distinct_hosts,
         # every fleet hashes as llm-d's precise scorer's does, so all read alike-hashed events
         hash_seed=precise_hash_seed() if any(spec.kind == "llmd-precise" for spec in systems) else None,
+        prefill_pods=prefill_pods,
     )
     return BenchPlan(
         tuple(systems),
@@ -360,11 +473,12 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         args.drain_timeout,
         plots=not args.no_plots,
         settings=tuple(settings.items()),
+        announce_lengths=args.max_tokens,
         objectives=tuple(workloads.TENANT_OBJECTIVES.items()) if "objectives" in settings else (),
     )
 
 
-def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> None:
+def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec], pods: int) -> None:
     """What the reference-epp and llm-d systems need, checked before anything starts."""
     for flag, binary, config in (
         ("reference", args.reference_epp, args.reference_config),
@@ -379,9 +493,9 @@ def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> 
         return
     if "llmd-precise" in kinds and not args.distinct_hosts:
         raise ValueError("llmd-precise keys engines by IP (topic kv@<ip>@<model>): add --distinct-hosts")
-    if args.pods > MAX_TARGET_PORTS and not args.distinct_hosts:
+    if pods > MAX_TARGET_PORTS and not args.distinct_hosts:
         raise ValueError(
-            f"--pods {args.pods}: the {', '.join(sorted(kinds))} system takes at most {MAX_TARGET_PORTS} pods "
+            f"--pods {pods}: the {', '.join(sorted(kinds))} system takes at most {MAX_TARGET_PORTS} pods "
             "on one address (its InferencePool's target ports, one per pod); --distinct-hosts takes more"
         )
     try:
@@ -391,20 +505,104 @@ def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec]) -> 
         raise ValueError(f"the {', '.join(sorted(kinds))} system runs a kube-apiserver and etcd: {e}") from None
 
 
+def capacity_rates(args: argparse.Namespace) -> tuple[float, ...]:
+    """The step rates, increasing: `--rates`, or `--rate-steps` from the base rate (a trace's
+    `--speed`) up by `--rate-factor`."""
+    if args.rates:
+        try:
+            rates = sorted({float(value) for value in args.rates.split(",")})
+        except ValueError:
+            raise ValueError(f"--rates {args.rates!r}: not comma-separated numbers") from None
+        if rates[0] <= 0:
+            raise ValueError("--rates must be positive")
+        return tuple(rates)
+    if args.rate_steps < 1:
+        raise ValueError("--rate-steps must be at least 1")
+    if args.rate_factor <= 1:
+        raise ValueError("--rate-factor must be above 1")
+    trace = args.workload not in WORKLOADS
+    base = args.speed if trace else args.rate or DEFAULT_RATES[args.workload]
+    return tuple(round(base * args.rate_factor**step, 6) for step in range(args.rate_steps))
+
+
+def capacity_plan_from_args(args: argparse.Namespace) -> CapacityPlan:
+    """Validate a `--capacity` run up front; its bench plan carries the lowest rate's workload."""
+    if args.bounds_only:
+        raise ValueError("--capacity and --bounds-only do not go together")
+    if args.slo_ttft_p90 is None or args.slo_ttft_p90 <= 0:
+        raise ValueError("--capacity needs a positive --slo-ttft-p90 (seconds)")
+    if args.slo_tpot_p90 is not None and args.slo_tpot_p90 <= 0:
+        raise ValueError("--slo-tpot-p90 must be positive")
+    if args.refine < 0:
+        raise ValueError("--refine must not be negative")
+    rates = capacity_rates(args)
+    trace = args.workload not in WORKLOADS
+    duration = args.duration or DEFAULT_CAPACITY_STEP_S
+
+    def at(rate: float) -> argparse.Namespace:
+        return argparse.Namespace(**{**vars(args), "speed" if trace else "rate": rate, "duration": duration})
+
+    def sessions_at(rate: float) -> Sequence[workloads.Session]:
+        _, sessions, _ = build_sessions(at(rate))
+        return sessions if args.session_keys else workloads.without_session_keys(sessions)
+
+    bench = plan_from_args(at(rates[0]))
+    return CapacityPlan(
+        dataclasses.replace(bench, settings=tuple((k, v) for k, v in bench.settings if k not in ("rate", "speed"))),
+        Slo(args.slo_ttft_p90, args.slo_tpot_p90),
+        rates,
+        sessions_at,
+        window_s=None if trace else duration,  # a trace's window is its last arrival
+        refine=args.refine,
+        rate_unit="x speed" if trace else "req/s",
+    )
+
+
+def check_no_capacity_flags(args: argparse.Namespace) -> None:
+    """The capacity flags mean nothing without `--capacity`: say so rather than ignore them."""
+    for flag in ("slo_ttft_p90", "slo_tpot_p90", "rates"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --capacity")
+
+
+def execute_capacity(plan: CapacityPlan) -> int:
+    """Run a validated capacity search and print its tables; 130 on Ctrl-C, 1 if a system failed."""
+    report = interruptible(lambda: run_capacity(plan))
+    if report is None:
+        return 130
+    out = plan.bench.out_dir
+    print()
+    print(terminal_text(report))
+    print(f"\nresults: {out / 'results.json'}  report: {out / 'report.md'}")
+    if report.plots:
+        print("plots:   " + "  ".join(str(out / name) for name in report.plots.values()))
+    return 1 if report.failures else 0
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C, through every `finally` that stops children
 
 
-def execute(plan: BenchPlan) -> int:
-    """Run a validated plan and print the table; 130 on Ctrl-C, 1 if a system failed."""
+Outcome = TypeVar("Outcome")
+
+
+def interruptible(work: Callable[[], Outcome]) -> Outcome | None:
+    """`work()`, SIGTERM unwinding it like Ctrl-C; None (and a note) when either interrupted it."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report = run(plan)
+        return work()
     except KeyboardInterrupt:
         print("\npicker bench: interrupted; every started process was stopped", file=sys.stderr)
-        return 130
+        return None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def execute(plan: BenchPlan) -> int:
+    """Run a validated plan and print the table; 130 on Ctrl-C, 1 if a system failed."""
+    report = interruptible(lambda: run(plan))
+    if report is None:
+        return 130
     print()
     print(reports.terminal_table(report))
     for line in reports.attribution_lines(report):
@@ -419,6 +617,9 @@ def main(argv: list[str]) -> int:
     """Entry point of `picker bench`."""
     args = build_parser().parse_args(argv)
     try:
+        if args.capacity:
+            return execute_capacity(capacity_plan_from_args(args))
+        check_no_capacity_flags(args)
         plan = plan_from_args(args)
     except ValueError as e:
         print(f"picker bench: {e}", file=sys.stderr)

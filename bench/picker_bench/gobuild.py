@@ -14,8 +14,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,3 +100,14 @@ class GoModule:
             raise
         partial.replace(binary)
         return binary
+
+
+def print_built(build: Callable[[], Path], program: str) -> int:
+    """A `python -m` entry point's body: build (or find) a binary with `build`, print its path;
+    on failure print why, prefixed with `program`, and return 1."""
+    try:
+        print(build())
+    except GoModuleUnavailableError as e:
+        print(f"{program}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,4 +1,4 @@
-"""llm-d's scheduler (`llmd-epp-v0.4.0`, `reference_epp.llmd_epp_binary()`) as a bench system.
+"""llm-d's scheduler (`llmd-epp-v0.4.0`, `llmd.llmd_epp_binary()`) as a bench system.
 
 It is a GIE v1.2.0 runner, so it runs as the reference EPP does (`ReferenceEpp`: a throwaway
 control plane, an InferencePool, Pods Ready at the fleet's addresses), plus what it needs more:
@@ -39,7 +39,7 @@ import yaml
 
 from picker.prefix.builtin_tokenizer import encode
 from picker_bench.gobuild import GoModule
-from picker_bench.reference_epp import LLMD
+from picker_bench.llmd import LLMD
 from picker_bench.workloads import VOCAB
 
 APPROXIMATE_CONFIG = "epp-config.yaml"

@@ -51,6 +51,7 @@ class LoadOptions:
     max_concurrency: int = 256
     request_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0  # after the last arrival, how long the rest may run
+    announce_lengths: bool = True  # each answer's length as max_tokens (else only the model knows it)
 
 
 class Progress:
@@ -63,11 +64,16 @@ class Progress:
         self.in_flight = 0
 
 
-def _body(prompt: Prompt, model: str) -> bytes:
+def _body(prompt: Prompt, model: str, announce_length: bool) -> bytes:
+    # The answer's length is the workload's either way; announced, it is the request's limit (as
+    # a client that knows what it needs); else only the simulated model knows it (min_tokens, its
+    # natural end), as with clients that let the model decide.
+    length = (
+        {"max_tokens": prompt.max_tokens, "ignore_eos": True} if announce_length else {"min_tokens": prompt.max_tokens}
+    )
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": prompt.max_tokens,
-        "ignore_eos": True,
+        **length,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
@@ -155,7 +161,7 @@ async def run_load(
             # Build the body a little ahead so building it (a trace prompt is ~100 kB) never counts as latency.
             await asyncio.sleep(max(0.0, due - BUILD_AHEAD_S - time.monotonic()))
             path = "/v1/chat/completions" if prompt.api == "chat" else "/v1/completions"
-            body = _body(prompt, options.model)
+            body = _body(prompt, options.model, options.announce_lengths)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             try:
                 async with cap:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def port_open(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.2):
             return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    """Whether a GET of `url` answers 200 within a second."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            status: int = r.status
+            return status == 200
     except OSError:
         return False
 

@@ -12,19 +12,14 @@ whose source tree (charts, docs, test data) the tests also read as an oracle:
 `reference_epp_binary()` builds it once into the binary cache; `python -m picker_bench.reference_epp`
 does so and prints its path.
 
-llm-d's scheduler (`cmd/epp` of `github.com/llm-d/llm-d-inference-scheduler@v0.4.0`) is a GIE
-runner with llm-d's plugins and runs the same way (`llmd_epp_binary()`, `python -m
-picker_bench.reference_epp llmd-epp`); `picker_bench.llmd_epp` says what else it needs.
+llm-d's scheduler (`picker_bench.llmd.llmd_epp_binary()`) is a GIE runner with llm-d's plugins
+and runs the same way; `picker_bench.llmd_epp` says what else it needs.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import stat
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,8 +27,8 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from picker_bench.gobuild import GoModule, GoModuleUnavailableError, run_niced
-from picker_bench.kube_cluster import BIN_DIR, KubeCluster
+from picker_bench.gobuild import GoModule, print_built
+from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import (
     apply_manifests,
     create_pod,
@@ -44,7 +39,6 @@ from picker_bench.kube_resources import (
 from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
 
 REFERENCE_VERSION = "v1.5.0"
-LLMD_VERSION = "v0.4.0"
 POD_LABELS = {"app": "bench-backend"}
 NAMESPACE = "default"  # the API server creates it at start
 POOL = "bench"
@@ -52,13 +46,7 @@ CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
 MAX_TARGET_PORTS = 8  # the InferencePool v1 CRD's maxItems
 
 
-ReferenceUnavailableError = GoModuleUnavailableError  # the name the tests catch
-
 REFERENCE = GoModule("sigs.k8s.io/gateway-api-inference-extension", REFERENCE_VERSION)
-LLMD = GoModule("github.com/llm-d/llm-d-inference-scheduler", LLMD_VERSION)
-# The Rust tokenizers binding llm-d's kv-cache manager v0.4.0 pins; its `cmd/epp` links its
-# static library through cgo.
-TOKENIZERS = GoModule("github.com/daulet/tokenizers", "v1.22.1")
 
 
 def start_reference_epp(
@@ -125,67 +113,6 @@ def reference_epp_binary() -> Path:
     """The reference EPP's binary in the binary cache (`epp-v1.5.0`), built from its module the
     first time (a few minutes of CPU on 2 cores, at the lowest priority)."""
     return REFERENCE.binary("./cmd/epp", "epp")
-
-
-def tokenizers_library() -> Path:
-    """The directory holding `libtokenizers.a`, the static library of the Rust crate in the Go
-    module github.com/daulet/tokenizers, built the first time with cargo (its Cargo.lock, at
-    the lowest priority) and cached beside the binary cache."""
-    lib_dir = BIN_DIR.parent / "lib" / f"tokenizers-{TOKENIZERS.version}"
-    library = lib_dir / "libtokenizers.a"
-    if library.is_file():
-        return lib_dir
-    cargo = os.environ.get("CARGO") or shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
-    if not os.access(cargo, os.X_OK):
-        raise GoModuleUnavailableError(
-            f"cargo is needed to build {TOKENIZERS.path}'s Rust library and is not installed"
-        )
-    lib_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_dir) as scratch:
-        crate = Path(scratch) / "crate"
-        shutil.copytree(TOKENIZERS.source_dir(), crate)  # the module cache is read-only
-        for path in (crate, *crate.rglob("*")):
-            path.chmod(path.stat().st_mode | stat.S_IWUSR)
-        run_niced([cargo, "build", "--release", "--locked"], crate, os.environ, "cargo build")
-        partial = Path(scratch) / "libtokenizers.a"
-        shutil.copy(crate / "target" / "release" / "libtokenizers.a", partial)
-        # Debian's binutils load an LLVM 14 linker plugin that cannot read newer rustc's bitcode
-        # sections, and the archive index then lacks Rust's std (the Go link fails with
-        # undefined references to core::panicking): drop the bitcode before indexing.
-        objcopy = ["objcopy", "--remove-section", ".llvmbc", "--remove-section", ".llvmcmd", str(partial)]
-        run_niced(objcopy, Path(scratch), os.environ, "objcopy")
-        run_niced(["ranlib", str(partial)], Path(scratch), os.environ, "ranlib")
-        partial.replace(library)
-    return lib_dir
-
-
-def python_config(*flags: str) -> str:
-    """`python3.11-config FLAGS` of the interpreter running this (whose site-packages the built
-    binary's embedded Python then shares)."""
-    config = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}-config"
-    if not os.access(config, os.X_OK):
-        raise GoModuleUnavailableError(
-            f"{config} is missing: llm-d's epp embeds Python (apt-get install python3.11-dev)"
-        )
-    result = subprocess.run([str(config), *flags], capture_output=True, text=True, check=True)
-    return result.stdout.strip()
-
-
-def llmd_epp_binary() -> Path:
-    """llm-d's scheduler (`cmd/epp` of its module, v0.4.0) in the binary cache (`llmd-epp-v0.4.0`),
-    built the first time: cgo with libzmq (apt-get install libzmq3-dev), this interpreter's
-    libpython (its chat-template rendering) and the tokenizers library above (about 12 minutes
-    of CPU on 2 cores all told, at the lowest priority)."""
-    binary = BIN_DIR / f"llmd-epp-{LLMD_VERSION}"
-    if os.access(binary, os.X_OK):
-        return binary
-    lib_dir = tokenizers_library()
-    build_env = {
-        "CGO_ENABLED": "1",
-        "CGO_CFLAGS": python_config("--cflags"),
-        "CGO_LDFLAGS": f"{python_config('--ldflags', '--embed')} -L{lib_dir} -ltokenizers -ldl -lm",
-    }
-    return LLMD.binary("./cmd/epp", "llmd-epp", build_env)
 
 
 class ReferenceEpp:
@@ -281,23 +208,10 @@ class ReferenceEpp:
             self.cluster.stop()
 
 
-BUILDERS: dict[str, Callable[[], Path]] = {"epp": reference_epp_binary, "llmd-epp": llmd_epp_binary}
-
-
-def main(argv: Sequence[str] = ()) -> int:
-    """`python -m picker_bench.reference_epp [epp|llmd-epp]`: build the reference's binary (or
-    llm-d's scheduler) if it is not cached; print its path."""
-    which = argv[0] if argv else "epp"
-    if which not in BUILDERS:
-        print(f"picker_bench.reference_epp: build one of {', '.join(BUILDERS)}, not {which!r}", file=sys.stderr)
-        return 2
-    try:
-        print(BUILDERS[which]())
-    except ReferenceUnavailableError as e:
-        print(f"picker_bench.reference_epp: {e}", file=sys.stderr)
-        return 1
-    return 0
+def main() -> int:
+    """`python -m picker_bench.reference_epp`: build the binary if it is not cached; print its path."""
+    return print_built(reference_epp_binary, "picker_bench.reference_epp")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

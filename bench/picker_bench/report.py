@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,9 @@ class BenchReport:
         }
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
+def ms(value: float | None, digits: int = 0) -> str:
+    """Seconds as milliseconds (`digits` decimals), `-` for none."""
+    return "-" if value is None else f"{value * 1000:.{digits}f}"
 
 
 def _pct(value: float | None) -> str:
@@ -56,7 +58,7 @@ def floor_text(floor: dict[str, float | None]) -> str:
     """`p50/p90/p99 A/B/C ms` of a TTFT or E2E floor, or `-` when it was not computed."""
     if not floor:
         return "-"
-    return "p50/p90/p99 " + "/".join(_ms(floor.get(q)) for q in ("p50", "p90", "p99")) + " ms"
+    return "p50/p90/p99 " + "/".join(ms(floor.get(q)) for q in ("p50", "p90", "p99")) + " ms"
 
 
 def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
@@ -67,6 +69,7 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         "TTFT p90 ms",
         "TTFT p99 ms",
         "E2E p50 ms",
+        "TPOT p90 ms",
         "out tok/s",
         "hit ratio",
         "bound",
@@ -82,10 +85,11 @@ def table_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 name,
-                _ms(r.ttft_p50_s),
-                _ms(r.ttft_p90_s),
-                _ms(r.ttft_p99_s),
-                _ms(r.e2e_p50_s),
+                ms(r.ttft_p50_s),
+                ms(r.ttft_p90_s),
+                ms(r.ttft_p99_s),
+                ms(r.e2e_p50_s),
+                ms(r.tpot_p90_s, 1),  # a few ms per token: 1 ms steps are too coarse
                 f"{r.output_tokens_per_s:.0f}",
                 _pct(r.hit_ratio),
                 _pct(report.bound_hit_ratio),
@@ -133,10 +137,10 @@ def tenant_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
                     objective,
                     str(t.sent),
                     str(t.served),
-                    _ms(t.ttft_p50_s),
-                    _ms(t.ttft_p90_s),
-                    _ms(t.e2e_p50_s),
-                    _ms(t.e2e_p90_s),
+                    ms(t.ttft_p50_s),
+                    ms(t.ttft_p90_s),
+                    ms(t.e2e_p50_s),
+                    ms(t.e2e_p90_s),
                     f"{t.goodput_tokens_per_s:.0f}",
                     str(t.rejected),
                     str(t.expired),
@@ -149,12 +153,12 @@ def tenant_rows(report: BenchReport) -> tuple[list[str], list[list[str]]]:
 def terminal_table(report: BenchReport) -> str:
     """A plain aligned table for the terminal; with tenants, the per-tenant one and the rates while
     requests arrive."""
-    text = _aligned(*table_rows(report))
+    text = aligned(*table_rows(report))
     header, rows = tenant_rows(report)
     if not rows:
         return text
     window = _arrival_window(report)
-    return f"{text}\n\n{_aligned(header, rows)}\nwhile requests arrive, out tok/s (pods decoding): {window}"
+    return f"{text}\n\n{aligned(header, rows)}\nwhile requests arrive, out tok/s (pods decoding): {window}"
 
 
 def _arrival_window(report: BenchReport) -> str:
@@ -164,11 +168,13 @@ def _arrival_window(report: BenchReport) -> str:
     )
 
 
-def _aligned(header: list[str], rows: list[list[str]]) -> str:
+def aligned(header: list[str], rows: list[list[str]], text_columns: Sequence[int] = (0,)) -> str:
+    """A plain table: the `text_columns` (the first) left-aligned, the others right-aligned."""
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        cells = [c.ljust(w) if i in text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(cells).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
@@ -213,6 +219,15 @@ def attribution_markdown(report: BenchReport) -> list[str]:
     return out
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
 def markdown(report: BenchReport, plots: dict[str, str]) -> str:
     """`report.md`: settings, the table, per-pod spread, plots."""
     header, rows = table_rows(report)
@@ -235,9 +250,7 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
             f"**{floor_text(report.e2e_floor_s)}**, each answer then decoded alone on that engine."
         ),
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *markdown_table(header, rows),
         "",
         (
             "TTFT is measured from when each request was due (open loop) to its first streamed content chunk. "
@@ -252,9 +265,7 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
         out += [
             "## Per tenant and priority",
             "",
-            "| " + " | ".join(header) + " |",
-            "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows),
+            *markdown_table(header, rows),
             "",
             (
                 "Goodput = output tokens of the tenant's served requests per second of the system's whole run "
@@ -293,19 +304,25 @@ def markdown(report: BenchReport, plots: dict[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
-    """Write the PNG plots; return {plot key: file name} (none without matplotlib)."""
+def pyplot() -> Any:
+    """`matplotlib.pyplot` on the Agg backend, or None (with a note) when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:  # picker-bench depends on it, but an install without dependencies lacks it
         print("picker bench: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
-        return {}
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
+    """Write the PNG plots; return {plot key: file name} (none without matplotlib)."""
+    plt = pyplot()
     written: dict[str, str] = {}
     names = list(report.systems)
-    if not names:
+    if plt is None or not names:
         return written
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -319,7 +336,7 @@ def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
     ax.set_title(f"TTFT CDF: {report.workload}")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    written["ttft_cdf"] = _save(fig, out_dir / PLOTS["ttft_cdf"])
+    written["ttft_cdf"] = save(fig, out_dir / PLOTS["ttft_cdf"])
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ratios = [report.systems[n].hit_ratio * 100 for n in names]
@@ -331,7 +348,7 @@ def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
     ax.set_title(f"Prefix hit ratio: {report.workload}")
     ax.legend()
     ax.tick_params(axis="x", labelrotation=20)
-    written["hit_ratio"] = _save(fig, out_dir / PLOTS["hit_ratio"])
+    written["hit_ratio"] = save(fig, out_dir / PLOTS["hit_ratio"])
 
     pods = sorted({pod for n in names for pod in report.systems[n].pods})
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -343,11 +360,12 @@ def plot(report: BenchReport, out_dir: Path) -> dict[str, str]:
     ax.set_ylabel("requests")
     ax.set_title("Load spread per pod")
     ax.legend()
-    written["load_spread"] = _save(fig, out_dir / PLOTS["load_spread"])
+    written["load_spread"] = save(fig, out_dir / PLOTS["load_spread"])
     return written
 
 
-def _save(fig: Any, path: Path) -> str:
+def save(fig: Any, path: Path) -> str:
+    """Write `fig` to `path` and close it; the file's name."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

@@ -18,8 +18,9 @@ from picker_bench.attribution import attribute
 from picker_bench.bound import PrefixBound, PromptBlocks, decode_floor_s, prefill_floor_s
 from picker_bench.loadgen import LoadOptions, Progress, RequestResult, run_load
 from picker_bench.report import BenchReport
-from picker_bench.stats import SystemResult, percentile, summarize
+from picker_bench.stats import SystemResult, histogram_decision_time, percentile, summarize
 from picker_bench.systems import (
+    DECISION_METRIC,
     FleetOptions,
     Launcher,
     SystemSpec,
@@ -43,6 +44,7 @@ class BenchPlan:
     out_dir: Path
     max_concurrency: int = 256
     drain_timeout_s: float = 60.0
+    announce_lengths: bool = True  # answers' lengths sent as max_tokens (else as min_tokens: unannounced)
     plots: bool = True
     settings: tuple[tuple[str, object], ...] = ()  # workload knobs, recorded in results.json
     objectives: tuple[tuple[str, int], ...] = ()  # the workload's InferenceObjectives: name, priority
@@ -119,24 +121,34 @@ def bounds_of(
     )
 
 
-def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
-    """Measure every system in turn; always stops every process it started."""
-    plan.out_dir.mkdir(parents=True, exist_ok=True)
-    pids = plan.out_dir / "pids"
+def prepare_out_dir(out_dir: Path, objectives: tuple[tuple[str, int], ...]) -> tuple[Launcher, Path | None]:
+    """A launcher writing into `out_dir` (its `pids` file emptied, its `logs` fresh) and the
+    InferenceObjectives file for the systems, when the workload names objectives."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pids = out_dir / "pids"
     pids.write_text("")
-    logs = plan.out_dir / "logs"
+    logs = out_dir / "logs"
     shutil.rmtree(logs, ignore_errors=True)  # readiness is read from the logs: never from an earlier run's
     launcher = Launcher(logs, pids)
-    objectives = None
-    if plan.objectives:
-        logs.mkdir(parents=True)
-        objectives = logs / "objectives.yaml"
-        objectives.write_text(yaml.safe_dump(dict(plan.objectives)))
+    if not objectives:
+        return launcher, None
+    logs.mkdir(parents=True)
+    path = logs / "objectives.yaml"
+    path.write_text(yaml.safe_dump(dict(objectives)))
+    return launcher, path
+
+
+def fleet_for(fleet: FleetOptions, longest_tokens: int) -> FleetOptions:
+    """`fleet` with a `max_model_len` that admits the workload's longest prompt plus its output."""
+    return replace(fleet, max_model_len=longest_tokens) if longest_tokens > fleet.max_model_len else fleet
+
+
+def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
+    """Measure every system in turn; always stops every process it started."""
+    launcher, objectives = prepare_out_dir(plan.out_dir, plan.objectives)
     blocks = prompt_blocks(plan.sessions, plan.fleet.block_size)
     bounds = bounds_of(plan.sessions, plan.fleet, blocks)
-    fleet = plan.fleet
-    if bounds.longest_tokens > fleet.max_model_len:
-        fleet = replace(fleet, max_model_len=bounds.longest_tokens)
+    fleet = fleet_for(plan.fleet, bounds.longest_tokens)
     requests = sum(len(s.turns) for s in plan.sessions)
     report = BenchReport(
         plan.workload,
@@ -164,7 +176,7 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print) -> BenchReport:
         for index, spec in enumerate(plan.systems):
             tag = f"{index}-{spec.kind}"
             try:
-                report.systems[spec.name] = _measure(spec, plan, fleet, launcher, tag, requests, blocks, objectives)
+                report.systems[spec.name] = _measure(spec, plan, fleet, launcher, tag, blocks, objectives)
             except (RuntimeError, TimeoutError, OSError) as e:
                 report.failures[spec.name] = str(e)
                 log(f"{spec.name}: could not be measured: {e}")
@@ -183,36 +195,62 @@ def _measure(
     fleet: FleetOptions,
     launcher: Launcher,
     tag: str,
-    requests: int,
     blocks: Sequence[Sequence[PromptBlocks]],
     objectives: Path | None,
 ) -> SystemResult:
     """One system: a cold fleet, the system in front of it, the whole workload, the numbers and
     where its prompt tokens' cache hits went (`picker_bench.attribution`)."""
+    results, page = serve_load(spec, plan.sessions, plan, fleet, launcher, tag, objectives, spec.name)
+    write_requests(results, plan.out_dir / "requests" / f"{file_name(spec.name)}.jsonl")
+    if page is not None:  # the picker's own view of the run (predictions, hits), for analysis
+        (plan.out_dir / "requests" / f"{file_name(spec.name)}.metrics.txt").write_text(page)
+    attribution = attribute(results, blocks, fleet.block_size, pod_blocks(fleet))
+    decision_time = histogram_decision_time(page, DECISION_METRIC) if page is not None else None
+    return replace(summarize(results, fleet.pods, decision_time), attribution=attribution)
+
+
+def serve_load(
+    spec: SystemSpec,
+    sessions: Sequence[Session],
+    plan: BenchPlan,
+    fleet: FleetOptions,
+    launcher: Launcher,
+    tag: str,
+    objectives: Path | None,
+    label: str,
+) -> tuple[list[RequestResult], str | None]:
+    """Start a cold fleet and the system in front of it (the caller stops them), play `sessions`
+    through it with a live progress line under `label`; every request's result and the system's
+    final metrics page (`Gateway.metrics_page`)."""
     fleet = system_fleet(spec, fleet)
     _, pods = start_fleet(fleet, launcher, tag)
     gateway = start_system(spec, pods, launcher, tag, objectives, fleet)
-    options = LoadOptions(gateway.url, fleet.model, plan.max_concurrency, drain_timeout_s=plan.drain_timeout_s)
-    counters = Progress(requests)
+    options = LoadOptions(
+        gateway.url,
+        fleet.model,
+        plan.max_concurrency,
+        drain_timeout_s=plan.drain_timeout_s,
+        announce_lengths=plan.announce_lengths,
+    )
+    counters = Progress(sum(len(s.turns) for s in sessions))
 
     async def measured() -> list[RequestResult]:
-        display = asyncio.create_task(live.show(spec.name, counters))
+        display = asyncio.create_task(live.show(label, counters))
         try:
-            return await run_load(plan.sessions, options, counters)
+            return await run_load(sessions, options, counters)
         finally:
             display.cancel()
             await asyncio.gather(display, return_exceptions=True)
 
-    results = asyncio.run(measured())
-    _write_requests(results, plan.out_dir / "requests" / f"{spec.name.replace(':', '-')}.jsonl")
-    attribution = attribute(results, blocks, fleet.block_size, pod_blocks(fleet))
-    metrics = gateway.metrics()
-    if metrics is not None:  # what the system counted itself (KV events read, index lookups), for a later look
-        (launcher.log_dir / f"metrics-{tag}.prom").write_text(metrics)
-    return replace(summarize(results, fleet.pods, gateway.decision_time(metrics)), attribution=attribution)
+    return asyncio.run(measured()), gateway.metrics_page()
 
 
-def _write_requests(results: Sequence[RequestResult], path: Path) -> None:
+def file_name(system: str) -> str:
+    """A system's name as a file name (`picker:best` -> `picker-best`)."""
+    return system.replace(":", "-")
+
+
+def write_requests(results: Sequence[RequestResult], path: Path) -> None:
     """One JSON line per request (session, turn, pod, TTFT, cached tokens...), for analysis beyond
     the summary: which pod served which prompt, and what it found cached."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,11 @@ class SystemResult:
     arrival_window_tokens_per_s: float = 0.0
     # Over the same window, the requests decoding per pod on average (`pods_decoding`).
     arrival_window_pods_decoding: float = 0.0
+    # Time per output token after the first (`time_per_output_token`): what prefills sharing a
+    # decoding pod's steps stall, and what P/D disaggregation is for.
+    tpot_p50_s: float | None = None
+    tpot_p90_s: float | None = None
+    tpot_p99_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (without the raw TTFT list, which goes to its own file)."""
@@ -99,6 +104,7 @@ def summarize(
     failed = [r for r in results if r.error is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+    tpots = [t for r in ok if (t := time_per_output_token(r)) is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(r.output_tokens for r in ok)
@@ -139,7 +145,18 @@ def summarize(
         tenants=per_tenant(results, wall),
         arrival_window_tokens_per_s=arrived / (last_arrival - start) if last_arrival > start else 0.0,
         arrival_window_pods_decoding=pods_decoding(results, num_pods, start, last_arrival),
+        tpot_p50_s=percentile(tpots, 50),
+        tpot_p90_s=percentile(tpots, 90),
+        tpot_p99_s=percentile(tpots, 99),
     )
+
+
+def time_per_output_token(r: RequestResult) -> float | None:
+    """Seconds per output token after the first, as the client saw them (vLLM's benchmark
+    definition: (E2E - TTFT) / (output tokens - 1)); None for an answer of fewer than 2 tokens."""
+    if r.ttft_s is None or r.e2e_s is None or r.output_tokens < 2:
+        return None
+    return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
 
 
 def pods_decoding(results: Sequence[RequestResult], num_pods: int, start: float, end: float) -> float:

@@ -1,5 +1,13 @@
 """Systems under test and the simulated fleet behind them: parsed by name, started, stopped.
 
+Prefill/decode (P/D) fleets (`FleetOptions.prefill_pods`): a picker system whose config has a
+`pd-profile-handler` routes them disaggregated, as llm-d does: Envoy -> picker -> llm-d's
+`pd-sidecar` in front of each decode pod (the endpoint the picker sees for it) -> the decode pod,
+the sidecar having first sent the prompt to the prefill pod the picker named in
+`x-prefiller-host-port`. Every other system routes the same pods aggregated: a simulated prefill
+pod serves a request without `kv_transfer_params` whole, as vLLM with a KV connector does, so
+they see a fleet of the same size with nothing disaggregated.
+
 Every process is started through `Launcher`, which writes its PID to `DIR/pids` the moment it
 exists and stops everything it started, newest first, however the run ends.
 """
@@ -20,8 +28,10 @@ from typing import Any, Protocol
 import yaml
 from kubernetes import client
 
-from picker.scheduling.labels import ROLE_LABEL
+from picker.disaggregation.handlers import PdProfileHandler
+from picker.scheduling.labels import ROLE_DECODE, ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
+from picker_bench.llmd import PdSidecar
 from picker_bench.llmd_epp import (
     APPROXIMATE_CONFIG,
     llmd_config,
@@ -31,11 +41,11 @@ from picker_bench.llmd_epp import (
     precise_hash_seed,
     write_builtin_tokenizer,
 )
-from picker_bench.process import ManagedProcess, free_port, port_open
+from picker_bench.process import ManagedProcess, free_port, http_ok, port_open
 from picker_bench.reference_epp import ReferenceEpp
-from picker_bench.stats import DecisionTime, histogram_decision_time
 
 HOST = "127.0.0.1"
+PD_PROFILE_HANDLER = PdProfileHandler.plugin_type
 DECISION_METRIC = "inference_extension_scheduler_e2e_duration_seconds"
 ROUTER_POLICIES = {
     "sglang-cache-aware": ("sglang", "cache_aware"),
@@ -61,6 +71,8 @@ class SystemSpec:
     url: str | None = None  # external systems
     replicas: int = 1  # picker systems: picker processes behind one Envoy
     shared_state: bool = False  # picker systems: the replicas share state through a redis-server
+    disaggregated: bool = False  # picker systems whose config has a pd-profile-handler
+    pd_sidecar: Path | None = None  # disaggregated systems: llm-d's pd-sidecar binary
 
 
 def parse_systems(
@@ -71,12 +83,14 @@ def parse_systems(
     llmd_epp: Path | None = None,
     llmd_config: Path | None = None,
     epp_log_verbosity: int | None = None,
+    pd_sidecar: Path | None = None,
 ) -> list[SystemSpec]:
     """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file;
     `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default);
     `llmd` runs llm-d's binary `llmd_epp` with `llmd_config` (None: llm-d's approximate sample)
     and `llmd-precise` with its precise-prefix-cache sample (`picker_bench.llmd_epp`); EPPs log at
-    `epp_log_verbosity`."""
+    `epp_log_verbosity`; a picker config with a `pd-profile-handler` reaches decode pods through
+    `pd_sidecar`."""
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
@@ -95,7 +109,19 @@ def parse_systems(
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ValueError(f"{name!r}: replicas must be 1 to {MAX_REPLICAS}")
             shared = bool(replicated and replicated["store"])
-            specs.append(SystemSpec(name, kind, picker_configs.get(arg), replicas=replicas, shared_state=shared))
+            config = picker_configs.get(arg)
+            disaggregated = config is not None and declares_pd(config)
+            specs.append(
+                SystemSpec(
+                    name,
+                    kind,
+                    config,
+                    replicas=replicas,
+                    shared_state=shared,
+                    disaggregated=disaggregated,
+                    pd_sidecar=pd_sidecar if disaggregated else None,
+                )
+            )
         elif replicated:
             raise ValueError(f"{name!r}: only picker systems take @N replicas")
         elif arg:
@@ -116,6 +142,19 @@ def parse_systems(
     if not specs:
         raise ValueError("no systems given")
     return specs
+
+
+def declares_pd(config_file: Path) -> bool:
+    """Whether an EndpointPickerConfig file has a `pd-profile-handler` (a file that cannot be
+    read as one says no: the picker refuses it when it starts, with its own message)."""
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    plugins = config.get("plugins") if isinstance(config, dict) else None
+    return isinstance(plugins, list) and any(
+        isinstance(plugin, dict) and plugin.get("type") == PD_PROFILE_HANDLER for plugin in plugins
+    )
 
 
 class Stoppable(Protocol):
@@ -177,6 +216,7 @@ class FleetOptions:
     distinct_hosts: bool = False  # pod i on 127.0.0.(1+i), all at one port
     kv_events_endpoint: str | None = None  # every pod connects its publisher here (None: each binds its own)
     hash_seed: str | None = None  # the engines' block-hash seed (None: the sim's default)
+    prefill_pods: int = 0  # P/D fleets: the first this many of `pods` prefill, the rest decode
 
     def argv(self) -> list[str]:
         """The `picker sim` command line."""
@@ -218,6 +258,8 @@ class FleetOptions:
             argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
         if self.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.prefill_pods:
+            argv += ["--pd", f"{self.prefill_pods}:{self.pods - self.prefill_pods}"]
         return argv
 
 
@@ -272,15 +314,6 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            status: int = r.status
-            return status == 200
-    except OSError:
-        return False
-
-
 @dataclass(frozen=True, slots=True)
 class Gateway:
     """A started system: where clients send, and where its pickers' metrics are (if any)."""
@@ -288,8 +321,9 @@ class Gateway:
     url: str
     metrics_urls: tuple[str, ...] = ()
 
-    def metrics(self) -> str | None:
-        """Its pickers' /metrics pages, concatenated (None: it has none, or one did not answer)."""
+    def metrics_page(self) -> str | None:
+        """Its EPPs' /metrics pages (every picker replica's, or the reference's or llm-d's), joined;
+        None without an EPP or when one cannot be read."""
         pages = []
         try:
             for url in self.metrics_urls:
@@ -299,9 +333,21 @@ class Gateway:
             return None
         return "\n".join(pages) if pages else None
 
-    def decision_time(self, metrics: str | None) -> DecisionTime | None:
-        """The pickers' scheduling-time histogram (every replica's summed) in `metrics`, its pages."""
-        return histogram_decision_time(metrics, DECISION_METRIC) if metrics else None
+
+def start_sidecars(binary: Path, pods: Sequence[FleetPod], launcher: Launcher, tag: str) -> list[FleetPod]:
+    """llm-d's `pd-sidecar` (NIXL v2 connector, plain HTTP) in front of each decode pod, started
+    and healthy; `pods` with each decode pod's address replaced by its sidecar's."""
+    fronted = []
+    for pod in pods:
+        if pod.role != ROLE_DECODE:
+            fronted.append(pod)
+            continue
+        vllm_port = int(pod.address.rpartition(":")[2])
+        sidecar = PdSidecar(binary, vllm_port, launcher.log_dir, f"pd-sidecar-{tag}-{pod.name}")
+        launcher.start(sidecar.process)
+        sidecar.wait_ready()
+        fronted.append(replace(pod, address=sidecar.address))
+    return fronted
 
 
 def system_fleet(spec: SystemSpec, fleet: FleetOptions) -> FleetOptions:
@@ -322,7 +368,8 @@ def start_system(
 ) -> Gateway:
     """Start `spec` in front of `pods` (started as `fleet`, `system_fleet`'s) and wait until it
     accepts requests; a picker reads the workload's InferenceObjectives (priorities) from
-    `objectives`."""
+    `objectives`; a disaggregated picker system reaches the decode pods through its
+    `pd_sidecar`s."""
     log_dir = launcher.log_dir
     backends = [pod.address for pod in pods]
     admin = (HOST, free_port())
@@ -333,6 +380,10 @@ def start_system(
         envoy.wait_ready(envoy.ready)
         return Gateway(envoy.url)
     if spec.kind == "picker":
+        if spec.disaggregated and any(pod.role == ROLE_DECODE for pod in pods):
+            if spec.pd_sidecar is None:
+                raise RuntimeError(f"{spec.name}: a P/D config on a P/D fleet needs llm-d's pd-sidecar (--pd-sidecar)")
+            pods = start_sidecars(spec.pd_sidecar, pods, launcher, tag)
         argv = ["--endpoints-file", str(write_endpoints_file(pods, log_dir / f"endpoints-{tag}.yaml"))]
         if spec.config_file:
             argv += ["--config-file", str(spec.config_file)]
@@ -388,7 +439,7 @@ def start_system(
         ]
         process = launcher.start(ManagedProcess(f"{router}-{tag}", argv, log_dir))
         url = f"http://{HOST}:{port}"
-        process.wait_ready(lambda: _http_ok(url + "/v1/models") or _http_ok(url + "/health"), timeout=90)
+        process.wait_ready(lambda: http_ok(url + "/v1/models") or http_ok(url + "/health"), timeout=90)
         return Gateway(url)
     assert spec.kind == "external" and spec.url
     return Gateway(spec.url)
@@ -415,7 +466,7 @@ def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[i
     argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
     picker = launcher.start(ManagedProcess(name, [*argv, "--secure-serving=false"], launcher.log_dir))
     metrics_url = f"http://{HOST}:{metrics}/metrics"
-    picker.wait_ready(lambda: port_open(HOST, health) and _http_ok(metrics_url), timeout=60)
+    picker.wait_ready(lambda: port_open(HOST, health) and http_ok(metrics_url), timeout=60)
     return grpc, metrics_url
 
 

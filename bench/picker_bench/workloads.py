@@ -312,6 +312,58 @@ def long_doc(spec: LongDocSpec, rate: float, duration_s: float, seed: int) -> li
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class PdMixSpec:
+    """Short chat mixed with long prompts that want long answers: the traffic prefill/decode (P/D)
+    disaggregation is for. Lengths are tokens.
+
+    - `long_share` (0.25) of the requests are long: a fresh document of `document_len` (6,000)
+      tokens and a question of `question_len` (64), answered in `long_output_len` (256) tokens (a
+      report or a summary). No two documents share a prefix, so no cache hit can skip their
+      prefill: a router can only choose where it runs.
+    - The rest are chat: one of `applications` (4) shared system prompts of `system_prompt_len`
+      (512) tokens and a fresh question of `question_len`, answered in `output_len` (128) tokens.
+
+    Why these: on `llama3-8b-h100` a 6,000-token prompt is one engine step of about 0.49 s (it fits
+    the 8,192-token batch budget), and every request decoding on that pod waits that step for its
+    next token. A 128-token chat answer decodes in about 0.9 s, so one such stall adds half to its
+    time per output token (TPOT), and a 256-token answer (about 1.8 s) may see several. At the
+    default 10 requests/s, 2.5 long prompts arrive a second: about 1.2 s of prefill a second. On 4
+    aggregated pods each is stalled ~30% of the time whatever the router does (at 6 requests/s
+    picker's interference cost still finds a quiet pod for most documents, and P/D has little to
+    remove); on `--pd 2:2` each prefill pod is busy ~60%, and the decode pods compute only the chat
+    prompts' uncached ~60 tokens. The chat prompts are short enough for a P/D threshold to keep
+    them decode-only.
+    """
+
+    long_share: float = 0.25
+    document_len: int = 6000
+    long_output_len: int = 256
+    applications: int = 4
+    system_prompt_len: int = 512
+    question_len: int = 64
+    output_len: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.long_share <= 1:
+            raise ValueError("long_share must be between 0 and 1")
+
+
+def pd_mix(spec: PdMixSpec, rate: float, duration_s: float, seed: int) -> list[Session]:
+    """Chat and long-document requests (`PdMixSpec`) arriving together at `rate`, Poisson."""
+    rng = random.Random(seed)
+    systems = [words(rng, spec.system_prompt_len) for _ in range(spec.applications)]
+    sessions = []
+    for t in poisson_arrivals(rng, rate, duration_s):
+        question = words(rng, spec.question_len)
+        if rng.random() < spec.long_share:
+            prompt = Prompt(spec.long_output_len, (("user", f"{words(rng, spec.document_len)}\n{question}"),))
+        else:
+            prompt = Prompt(spec.output_len, (("system", rng.choice(systems)), ("user", question)))
+        sessions.append(Session(t, (prompt,)))
+    return sessions
+
+
 def lognormal(rng: random.Random, mean: float, sigma: float) -> float:
     """A lognormal draw of mean `mean` (0 when `mean` is 0) and log-spread `sigma`."""
     return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma) if mean > 0 else 0.0

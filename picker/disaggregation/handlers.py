@@ -7,6 +7,9 @@ names the prefill pick in the request header `x-prefiller-host-port`, which llm-
 sidecar in the decode pod reads to have the prompt prefilled there first. A request whose
 prefill profile finds no pod (or that is below the threshold) goes to the decode pick alone.
 
+Beyond llm-d, `pd-profile-handler` with `decision: predicted` decides per request by predicted
+cost instead of the threshold (`PredictedPdProfileHandler`).
+
 Data parallel: `data-parallel-profile-handler` runs its one profile, sends the request to the
 pod's `primaryPort` and names the chosen rank (`ip:port`) in `x-data-parallel-host-port`.
 """
@@ -14,7 +17,7 @@ pod's `primaryPort` and names the chosen rank (`ip:port`) in `x-data-parallel-ho
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from picker.datastore.endpoint import EndpointState
@@ -30,9 +33,15 @@ from picker.framework.plugin import (
 )
 from picker.framework.request import InferenceRequest
 from picker.prefix.chars import CHARS_PER_TOKEN
-from picker.prefix.plugins import PREFIX_MATCH_KEY, expected_cached_tokens
+from picker.prefix.plugins import (
+    PREFIX_MATCH_KEY,
+    ProducerTtftModel,
+    expected_cached_tokens,
+    prompt_and_cached_tokens,
+)
+from picker.prefix.ttft import TtftModel
 from picker.request.errors import RequestError
-from picker.telemetry.metrics import PD_DECISIONS
+from picker.telemetry.metrics import PD_DECISIONS, PD_PREFILL_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,11 @@ _DECODE_ONLY = PD_DECISIONS.labels("decode-only")
 _PREFILL_DECODE = PD_DECISIONS.labels("prefill-decode")
 
 PREFILL_HEADER = "x-prefiller-host-port"
+PD_DECISION = "pd_decision"  # explain topic: the predicted costs of a `decision: predicted` choice
+DECISIONS = ("threshold", "predicted")
+# A decode pod pulls a prompt's KV blocks at about this rate: Llama-3-8B's 128 KiB a token over
+# one 400 Gb/s NIC (~50 GB/s) is ~380,000 tokens/s; the default leaves room for a slower link.
+DEFAULT_KV_TRANSFER_TOKENS_PER_SECOND = 250_000.0
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
 
 
@@ -58,6 +72,9 @@ class PdProfileHandler(ProfileHandler):
     `prefillProfile` ("prefill"), `prefixPluginName` ("prefix-cache-scorer"), `hashBlockSize`
     (64, > 0), `primaryPort` (0: off; else the decode pick is sent to this port of its pod and its
     own `ip:port` goes in `x-data-parallel-host-port`; load and prefixes are counted at the pick).
+    The picker's own: `decision` ("threshold": llm-d's rule; "predicted": see
+    `PredictedPdProfileHandler`, whose parameters `interferenceWeight` and
+    `kvTransferTokensPerSecond` only it takes).
 
     The uncached part is measured as llm-d measures it, in prompt characters: the prompt's length
     less what the decode pick is expected to hold (the prefix match, in the index's own blocks,
@@ -84,7 +101,22 @@ class PdProfileHandler(ProfileHandler):
         p.string("prefixPluginName", "prefix-cache-scorer")
         p.integer("hashBlockSize", 64, at_least=1)
         primary_port = _primary_port(p, 0)
-        plugin = cls(name, threshold, decode_profile, prefill_profile, primary_port)
+        plugin: PdProfileHandler
+        if "decision" in parameters and p.string("decision", "threshold", choices=DECISIONS) == "predicted":
+            interference_weight = p.number("interferenceWeight", 1.0, at_least=0)
+            transfer_rate = p.number("kvTransferTokensPerSecond", DEFAULT_KV_TRANSFER_TOKENS_PER_SECOND, above=0)
+            plugin = PredictedPdProfileHandler(
+                name,
+                threshold,
+                decode_profile,
+                prefill_profile,
+                primary_port,
+                ProducerTtftModel(handle),
+                interference_weight,
+                transfer_rate,
+            )
+        else:
+            plugin = cls(name, threshold, decode_profile, prefill_profile, primary_port)
         plugin.parameters = p.finish()
         return plugin
 
@@ -124,14 +156,83 @@ class PdProfileHandler(ProfileHandler):
         if self.primary_port:
             set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, decode.targets[0].address)
         prefill = results.get(self.prefill_profile)
-        if prefill is not None:
+        if prefill is not None and self.disaggregates(request, cycle_state, decode.targets[0], prefill):
             final[self.prefill_profile] = prefill
             _PREFILL_DECODE.inc()
         else:
-            if self.prefill_profile in results:
+            if prefill is None and self.prefill_profile in results:
                 log.info("request %s: no prefill pod passed the filters, decode only", request.request_id)
+                PD_PREFILL_UNAVAILABLE.inc()
             _DECODE_ONLY.inc()
         return SchedulingResult(final, self.decode_profile, cycle_state, destination_port=self.primary_port)
+
+    def disaggregates(
+        self, request: InferenceRequest, cycle_state: CycleState, decode: EndpointState, prefill: ProfileRunResult
+    ) -> bool:
+        """Whether the prefill profile's pick prefills the request (llm-d: whenever it ran)."""
+        return True
+
+
+class PredictedPdProfileHandler(PdProfileHandler):
+    """`pd-profile-handler` with `decision: predicted` (the picker's own): disaggregate a request
+    when that is predicted to cost less than prefilling it where it decodes.
+
+    The prefill profile runs for every prompt whose uncached part reaches `threshold` (a floor
+    here, 0 by default: every prompt), so its scorers choose the prefill pod (its prefix cache,
+    its queue). Then, with the prefix producer's TTFT model (`picker.prefix.ttft`):
+
+    - local: the predicted TTFT on the decode pick (its queue, the prefill of what it does not
+      hold) plus the stall that prefill imposes on the requests running there
+      (`interferenceWeight` x prefill time x running requests, default weight 1): a prefill
+      shares the decode pod's engine steps, and every running request waits for it;
+    - remote: the predicted TTFT on the prefill pick (its queue, the prefill of what *it* does not
+      hold), plus the KV transfer of the tokens the decode pod lacks at
+      `kvTransferTokensPerSecond` (250,000), plus one more request overhead (the second hop).
+
+    The request is disaggregated when remote < local: an idle decode pod prefills a cold prompt
+    itself (nothing to stall, no transfer to wait for), a busy one hands it over unless the
+    prefill pods are queued deeper than the stall is worth; a prefill pod holding the prefix
+    makes the remote side cheap. Both predictions go to the explain map (`pd_decision`).
+    """
+
+    consumes = frozenset({PREFIX_MATCH_KEY})
+
+    def __init__(
+        self,
+        name: str,
+        threshold: int,
+        decode_profile: str,
+        prefill_profile: str,
+        primary_port: int,
+        model: Callable[[], TtftModel],
+        interference_weight: float,
+        transfer_tokens_per_second: float,
+    ) -> None:
+        super().__init__(name, threshold, decode_profile, prefill_profile, primary_port)
+        self._model = model  # the prefix producer's (`ProducerTtftModel`)
+        self.interference_weight = interference_weight
+        self.transfer_tokens_per_second = transfer_tokens_per_second
+
+    def disaggregates(
+        self, request: InferenceRequest, cycle_state: CycleState, decode: EndpointState, prefill: ProfileRunResult
+    ) -> bool:
+        if not prefill.targets:
+            return False
+        prefill_pod = prefill.targets[0]
+        prompt, (decode_cached, prefill_cached) = prompt_and_cached_tokens(request, cycle_state, [decode, prefill_pod])
+        model = self._model()
+        now = model.clock()
+        local = model.estimate(decode, prompt, decode_cached, now, self.interference_weight)
+        remote = model.estimate(prefill_pod, prompt, prefill_cached, now)
+        transfer = max(0, prompt - decode_cached) / self.transfer_tokens_per_second
+        remote_seconds = remote.seconds + transfer + remote.overhead_seconds
+        disaggregate = remote_seconds < local.cost_seconds
+        cycle_state.explain()[PD_DECISION] = {
+            "local_seconds": local.cost_seconds,
+            "remote_seconds": remote_seconds,
+            "disaggregated": disaggregate,
+        }
+        return disaggregate
 
 
 class PrefillHeaderHandler(PreRequest):

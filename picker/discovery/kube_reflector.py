@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _iter_resp_lines: Callable[[urllib3.BaseHTTPResponse], Iterator[str]] = kube_watch.iter_resp_lines
 
 Objects = dict[str, dict[str, Any]]
-# Calls one list or watch endpoint with `_preload_content=False` and the given query arguments.
+# Calls one list or watch endpoint with the given query arguments; returns the unread response.
 ListCall = Callable[..., urllib3.BaseHTTPResponse]
 
 _RETRY_MIN = 0.1

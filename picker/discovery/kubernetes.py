@@ -11,13 +11,13 @@ class turns them into `Datastore.set_endpoints` calls and the `on_objectives` /
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
@@ -35,7 +35,8 @@ from picker.discovery.kube_objects import (
     pool_version,
     validate_target_ports,
 )
-from picker.discovery.kube_reflector import KubeReflector, Objects
+from picker.discovery.kube_reflector import KubeReflector, ListCall, Objects
+from picker.discovery.kube_requests import list_call, namespaced_path, served_resources
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,10 @@ class KubernetesDiscovery:
         else:
             self._start_reflector(
                 "inferencepool",
-                self._custom_list_call(
+                self._list_call(
+                    "inferencepools",
                     self._pool_group,
                     pool_version(self._pool_group),
-                    "inferencepools",
                     field_selector=f"metadata.name={self._pool_name}",
                 ),
                 self._on_pools,
@@ -158,15 +159,9 @@ class KubernetesDiscovery:
             if self._on_model_rewrites is not None:
                 self._watch_if_served("InferenceModelRewrite", "no model is rewritten", self._on_model_rewrites_changed)
         if self._config_map:
-            core = client.CoreV1Api(self._api)
             self._start_reflector(
                 "configmap",
-                functools.partial(
-                    core.list_namespaced_config_map,
-                    self._namespace,
-                    field_selector=f"metadata.name={self._config_map}",
-                    _preload_content=False,
-                ),
+                self._list_call("configmaps", field_selector=f"metadata.name={self._config_map}"),
                 self._on_config_maps,
             )
 
@@ -188,23 +183,14 @@ class KubernetesDiscovery:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def _custom_list_call(self, group: str, version: str, plural: str, **query: Any) -> Callable[..., Any]:
-        custom = client.CustomObjectsApi(self._api)
-        return functools.partial(
-            custom.list_namespaced_custom_object,
-            group,
-            version,
-            self._namespace,
-            plural,
-            _preload_content=False,
-            **query,
-        )
+    def _list_call(self, plural: str, group: str = "", version: str = "v1", **query: str) -> ListCall:
+        """List/watch calls for `plural` in the pool's namespace (the core group's by default)."""
+        assert self._api is not None
+        return list_call(self._api, namespaced_path(self._namespace, plural, group, version), **query)
 
-    def _start_reflector(
-        self, name: str, list_call: Callable[..., Any], on_change: Callable[[Objects], None]
-    ) -> KubeReflector:
+    def _start_reflector(self, name: str, call: ListCall, on_change: Callable[[Objects], None]) -> KubeReflector:
         assert self._loop is not None
-        reflector = KubeReflector(name, list_call, on_change, self._loop)
+        reflector = KubeReflector(name, call, on_change, self._loop)
         self._reflectors.append(reflector)
         reflector.start()
         return reflector
@@ -222,7 +208,6 @@ class KubernetesDiscovery:
             return
         if self._pod_reflector is not None:
             self._stop_reflector(self._pod_reflector)
-        core = client.CoreV1Api(self._api)
 
         def on_pods(objects: Objects) -> None:
             if self._pod_reflector is reflector:  # ignore a replaced watch's late deliveries
@@ -231,12 +216,7 @@ class KubernetesDiscovery:
 
         reflector = self._start_reflector(
             f"pods({spec.label_selector})",
-            functools.partial(
-                core.list_namespaced_pod,
-                self._namespace,
-                label_selector=spec.label_selector,
-                _preload_content=False,
-            ),
+            self._list_call("pods", label_selector=spec.label_selector),
             on_pods,
         )
         self._pod_reflector = reflector
@@ -333,18 +313,17 @@ class KubernetesDiscovery:
             if not served:
                 log.info("%s CRD (%s/%s) is not installed: %s", kind, OBJECTIVE_GROUP, OBJECTIVE_VERSION, without)
                 return
-            self._start_reflector(plural, self._custom_list_call(OBJECTIVE_GROUP, OBJECTIVE_VERSION, plural), on_change)
+            self._start_reflector(plural, self._list_call(plural, OBJECTIVE_GROUP, OBJECTIVE_VERSION), on_change)
 
         self._optional_watches.append(asyncio.create_task(watch()))
 
     def _served(self, plural: str) -> bool:
         """Ask API discovery whether `plural` is served; retries until it answers."""
-        api = client.CustomObjectsApi(self._api)
+        assert self._api is not None
         while not self._stopped.is_set():
             try:
-                resources = api.get_api_resources(OBJECTIVE_GROUP, OBJECTIVE_VERSION, _request_timeout=5.0)
-                return any(r.name == plural for r in resources.resources)
-            except client.ApiException as exc:
+                return plural in served_resources(self._api, OBJECTIVE_GROUP, OBJECTIVE_VERSION, 5.0)
+            except ApiException as exc:
                 if exc.status == 404:
                     return False
                 log.warning("API discovery failed (%s); retrying", exc.status)

@@ -19,6 +19,7 @@ path, which reads `is_leader` only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import re
@@ -120,11 +121,17 @@ class LeaderElector:
         self.name = name
         self.identity = identity or candidate_identity()
         self.timing = timing
-        self._leases = client.CoordinationV1Api(api)
+        self._api = api
         self._leading = False
         self._observed: LeaseRecord | None = None
         self._observed_at = 0.0  # monotonic time the observed record last changed
         self._task: asyncio.Task[None] | None = None
+
+    # Built at the first attempt, in its thread: importing the generated API's module on the
+    # event loop would hold the start (and this replica's readiness) for a tenth of a second.
+    @functools.cached_property
+    def _leases(self) -> client.CoordinationV1Api:
+        return client.CoordinationV1Api(self._api)
 
     def is_leader(self) -> bool:
         return self._leading

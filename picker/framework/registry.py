@@ -10,6 +10,7 @@ raise `PluginConfigError` with a message naming the bad parameter.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,23 @@ from picker.framework.handle import Handle
 from picker.framework.plugin import Plugin
 
 PluginFactory = Callable[[str, Mapping[str, Any], Handle], Plugin]
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredFactory:
+    """The `create` of class `class_name` in `module`, imported at the first call: plugin types
+    that few configs name keep their modules (and what those import) out of the start."""
+
+    module: str
+    class_name: str
+
+    def plugin_class(self) -> Any:
+        """The class, imported now."""
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+    def __call__(self, name: str, parameters: Mapping[str, Any], handle: Handle) -> Plugin:
+        factory: PluginFactory = self.plugin_class().create
+        return factory(name, parameters, handle)
 
 
 @dataclass(frozen=True, slots=True)

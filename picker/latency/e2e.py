@@ -4,12 +4,12 @@ costs the requests already running there.
 For endpoint *e* and a request expected to generate *N* output tokens:
 
     e2e(e)  = ttft(e) + N × tpot(e, b)
-    tpot(e, b) = (base(e) + per_seq(e) × b) / (1 − ρ(e))
-    harm(e) = weight × (per_seq(e) / (1 − ρ(e)) × overlap(e) + prefill(e) × running(e))
+    tpot(e, b) = (base + per_seq × b) / (1 − ρ(e))
+    harm(e) = weight × (per_seq / (1 − ρ(e)) × overlap(e) + prefill(e) × running(e))
 
 * `ttft(e)`: the TTFT model's prediction (queue wait + prefill of what *e* does not hold,
   `picker.prefix.ttft`); `prefill(e)` its prefill part, `running(e)` the requests running there.
-* `base(e) + per_seq(e) × b`: *e*'s decode step with *b* sequences in its batch, learnt online
+* `base + per_seq × b`: the pool's decode step with *b* sequences in the batch, learnt online
   (`TpotByBatch`).
 * `ρ(e)`: the share of *e*'s time its prefills take, which its decodes wait through (they share
   its engine steps): the uncached prompt tokens a second the picker has sent it lately (a sum
@@ -31,11 +31,9 @@ TPOT learning: a streamed response that generated at least two tokens gives a sa
 (duration − TTFT) / (completion tokens − 1), × (1 − ρ over its life: the uncached tokens sent
 to its endpoint between its pick and its end, per second, over the prefill rate), against the
 mean number of the picker's requests in flight at its endpoint over its life (the ledger's time
-integral from pick to end, the request itself included). A least-squares line through the
-samples, with exponential forgetting (`FORGET`), is kept for every endpoint and for the pool; an
-endpoint's line is its own shrunk towards the pool's by its sample count
-(`picker.prefix.ttft.shrunk`), and where its batches have varied too little to show a slope it
-takes the pool's. No sample anywhere yet: nothing learnt (`TpotByBatch.learnt` is False).
+integral from pick to end, the request itself included). One least-squares line through the
+samples, with exponential forgetting (`FORGET`), for the whole pool (`TpotByBatch` says why not
+one per endpoint). No sample yet: nothing learnt (`TpotByBatch.learnt` is False).
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from picker.framework.request import InferenceRequest
-from picker.prefix.ttft import shrunk
 
 FORGET = 1.0 - 1.0 / 256  # each TPOT sample's weight decays by this per later sample
 MIN_BATCH_VARIANCE = 0.25  # sequences²: below it the samples show no slope of their own
@@ -76,15 +73,14 @@ class _Line:
         self.batch_tpot = self.batch_tpot * FORGET + batch * tpot
         self.samples += 1
 
-    def fit(self, fallback_slope: float | None) -> tuple[float, float, float]:
-        """(mean batch, mean TPOT, slope); the slope is `fallback_slope` where the batches have
-        not varied enough (0 when that is None), and never negative."""
+    def fit(self) -> tuple[float, float, float]:
+        """(mean batch, mean TPOT, slope); the slope is 0 where the batches have not varied
+        enough to show one, and never negative."""
         mean_batch, mean_tpot = self.batch / self.weight, self.tpot / self.weight
         variance = self.batch2 / self.weight - mean_batch * mean_batch
+        slope = 0.0
         if variance >= MIN_BATCH_VARIANCE:
             slope = (self.batch_tpot / self.weight - mean_batch * mean_tpot) / variance
-        else:
-            slope = fallback_slope or 0.0
         return mean_batch, mean_tpot, max(0.0, slope)
 
 
@@ -99,58 +95,49 @@ class TpotCurve(NamedTuple):
 
 
 class TpotByBatch:
-    """The decode step (time per output token without prefill stalls) as a function of the batch,
-    per endpoint and for the pool (see the module docstring)."""
+    """The pool's decode step (time per output token without prefill stalls) as a function of
+    the batch (see the module docstring).
+
+    One line for the pool, not one per endpoint: an InferencePool's servers run the same model
+    on the same hardware, so what makes one endpoint's decode slower than another's is its load,
+    which the batch and the prefill share already carry. A line per endpoint only learnt noise,
+    and fed on it: an endpoint that happened to show slow samples looked slower, lost traffic and
+    kept its slow line, and the one that looked fast took the traffic (a run on the
+    `conversation` workload had 237 of 483 requests on one of four pods, the piled pod's answers
+    the slowest)."""
 
     def __init__(self) -> None:
-        self._endpoints: dict[str, _Line] = {}
-        self._pool = _Line()
-        self._curves: dict[str, TpotCurve] = {}  # fitted once per sample, read per candidate
+        self._line = _Line()
+        self._curve: TpotCurve | None = None  # fitted once per sample, read per candidate
 
     @property
     def learnt(self) -> bool:
         """Whether any sample has been seen."""
-        return self._pool.samples > 0
+        return self._line.samples > 0
 
-    def observe(
-        self, endpoint: str, mean_batch: float, prefill_share: float, decode_seconds: float, completion_tokens: int
-    ) -> None:
+    def observe(self, mean_batch: float, prefill_share: float, decode_seconds: float, completion_tokens: int) -> None:
         """Learn from one streamed response: `decode_seconds` from its first byte to its end,
-        with `mean_batch` of the picker's requests in flight at `endpoint` over its life, which
+        with `mean_batch` of the picker's requests in flight at its endpoint over its life, which
         spent `prefill_share` of its time on prefills."""
         if completion_tokens < 2 or decode_seconds <= 0.0:
             return
         sample = decode_seconds / (completion_tokens - 1) * (1.0 - min(prefill_share, MAX_PREFILL_SHARE))
-        batch = max(1.0, mean_batch)
-        self._endpoints.setdefault(endpoint, _Line()).add(batch, sample)
-        self._pool.add(batch, sample)
-        self._curves.clear()
+        self._line.add(max(1.0, mean_batch), sample)
+        self._curve = None
 
-    def curve(self, endpoint: str) -> TpotCurve:
-        """`endpoint`'s decode step line (all zero while nothing is learnt)."""
-        curve = self._curves.get(endpoint)
+    def curve(self) -> TpotCurve:
+        """The decode step line (all zero while nothing is learnt)."""
+        curve = self._curve
         if curve is None:
-            curve = self._curves[endpoint] = self._fit(endpoint)
+            curve = self._curve = self._fit()
         return curve
 
-    def _fit(self, endpoint: str) -> TpotCurve:
-        pool = self._pool
-        if not pool.samples:
+    def _fit(self) -> TpotCurve:
+        line = self._line
+        if not line.samples:
             return TpotCurve(0.0, 0.0)
-        pool_batch, pool_tpot, pool_slope = pool.fit(None)
-        pool_base = max(0.0, pool_tpot - pool_slope * pool_batch)
-        own = self._endpoints.get(endpoint)
-        if own is None:
-            return TpotCurve(pool_base, pool_slope)
-        own_batch, own_tpot, own_slope = own.fit(pool_slope)
-        slope = shrunk(own_slope, own.samples, pool_slope)
-        base = shrunk(max(0.0, own_tpot - slope * own_batch), own.samples, pool_base)
-        return TpotCurve(base, slope)
-
-    def forget(self, endpoints: Iterable[str]) -> None:
-        for endpoint in endpoints:
-            self._endpoints.pop(endpoint, None)
-        self._curves.clear()
+        batch, tpot, slope = line.fit()
+        return TpotCurve(max(0.0, tpot - slope * batch), slope)
 
 
 @dataclass(slots=True)
@@ -213,7 +200,7 @@ class DecodeLedger:
             ledger.prefill_recent *= math.exp(-elapsed / PREFILL_WINDOW_S)
         if elapsed > 0.0 and ledger.requests:
             ledger.load_integral += ledger.requests * elapsed
-            tpot = self.tpot.curve(address).seconds(ledger.requests)
+            tpot = self.tpot.curve().seconds(ledger.requests)
             if tpot > 0.0:
                 ledger.committed_tokens = max(0.0, ledger.committed_tokens - elapsed * ledger.requests / tpot)
         ledger.time = max(ledger.time, now)
@@ -270,6 +257,14 @@ class _MeanTokens:
         self.tokens += max(alpha, 1.0 / self.samples) * (sample - self.tokens)
 
 
+class ExpectedOutput(NamedTuple):
+    """A request's expected output tokens and where the figure came from: `max_tokens` (the
+    request's own limit), `session` or `model` (their answers so far) or `default`."""
+
+    tokens: int
+    source: str
+
+
 class OutputLengths:
     """How many tokens a request is expected to generate.
 
@@ -294,20 +289,23 @@ class OutputLengths:
         self._models: dict[tuple[str | None, str], _MeanTokens] = {}
         self._sessions: OrderedDict[tuple[str | None, str, str], _MeanTokens] = OrderedDict()
 
-    def expected(self, request: InferenceRequest, session: str | None, default_tokens: int, cap_tokens: int) -> int:
+    def expected(
+        self, request: InferenceRequest, session: str | None, default_tokens: int, cap_tokens: int
+    ) -> ExpectedOutput:
         """The expected output tokens of `request`, of the session named `session` (if any)."""
         body = request.body
         for name in OUTPUT_LIMIT_FIELDS:
             limit = body.get(name)
             if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-                return min(limit, cap_tokens)
-        mean = None
+                return ExpectedOutput(min(limit, cap_tokens), "max_tokens")
         if session is not None:
             mean = self._sessions.get((request.tenant, request.target_model, session))
-        if mean is None:
-            mean = self._models.get((request.tenant, request.target_model))
-        tokens = round(mean.tokens) if mean is not None else default_tokens
-        return max(1, min(tokens, cap_tokens))
+            if mean is not None:
+                return ExpectedOutput(max(1, min(round(mean.tokens), cap_tokens)), "session")
+        mean = self._models.get((request.tenant, request.target_model))
+        if mean is not None:
+            return ExpectedOutput(max(1, min(round(mean.tokens), cap_tokens)), "model")
+        return ExpectedOutput(max(1, min(default_tokens, cap_tokens)), "default")
 
     def observe(self, request: InferenceRequest, session: str | None, completion_tokens: int) -> None:
         """Learn from one successful response's completion tokens."""
@@ -370,11 +368,14 @@ def estimate(
     )
 
 
-def e2e_scores(estimates: Sequence[E2eEstimate], alone_seconds: float) -> list[float]:
-    """best / cost per endpoint, both counted beyond `alone_seconds`: the request's decode time
-    alone in the batch of the fastest endpoint. The ranking is the cost's; subtracting what every
-    endpoint takes anyway keeps a difference of a second from being diluted by ten seconds of
-    decoding everywhere."""
-    extra = [max(e.cost_seconds - alone_seconds, 1e-9) for e in estimates]
-    best = min(extra, default=0.0)
-    return [best / x for x in extra]
+def e2e_scores(estimates: Sequence[E2eEstimate], scale_seconds: float) -> list[float]:
+    """1 / (1 + (cost − cheapest) / `scale_seconds`) per endpoint: 1.0 for the cheapest, half
+    for one `scale_seconds` dearer.
+
+    Absolute seconds, not a ratio: every request's seconds count alike towards the completion
+    time the picker minimises, so 10 ms against 50 ms must weigh no more than 1.00 s against
+    1.04 s. A ratio (cheapest / cost) made a few milliseconds decisive whenever the cheapest was
+    near zero, and the scorer's weight then swamped the prefix and load scorers beside it."""
+    costs = [e.cost_seconds for e in estimates]
+    low = min(costs, default=0.0)
+    return [1.0 / (1.0 + (cost - low) / scale_seconds) for cost in costs]

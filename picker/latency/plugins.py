@@ -47,6 +47,7 @@ from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.latency.e2e import (
     DecodeLedger,
     E2eEstimate,
+    ExpectedOutput,
     InFlight,
     OutputLengths,
     TpotByBatch,
@@ -66,6 +67,7 @@ from picker.latency.tpot import TpotModel
 from picker.prefix.plugins import PREFIX_MATCH_KEY, ProducerTtftModel, prompt_and_cached_tokens
 from picker.prefix.session import session_name
 from picker.prefix.ttft import TtftModel
+from picker.telemetry.metrics import E2E_OUTPUT_TOKENS_RATIO, E2E_PREDICTION_RATIO
 
 # The producer's own objects that outlive reloads (Handle.persistent keys, + ":" + its name).
 _TPOT_MODEL_KEY = "latency/tpot-model"
@@ -490,6 +492,7 @@ class E2eSettings:
     """`e2e-cost-scorer`'s parameters (see the class)."""
 
     harm_weight: float = 1.0
+    scale_seconds: float = 1.0
     default_output_tokens: int = 256
     max_output_tokens: int = 4096
     session_fields: tuple[str, ...] = ("prompt_cache_key", "user")
@@ -498,8 +501,8 @@ class E2eSettings:
 
 class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
     """`e2e-cost-scorer`: the predicted completion time, decode included, plus the harm to the
-    requests already running at the endpoint (`picker.latency.e2e`); scores best / predicted,
-    both counted beyond the decode time every endpoint takes anyway (`e2e_scores`).
+    requests already running at the endpoint (`picker.latency.e2e`); scores by the seconds an
+    endpoint costs beyond the cheapest (`e2e_scores`).
 
     Until a streamed response has taught the TPOT model anything it scores every endpoint 1
     (the TTFT cost then decides alone). Its TTFT part is the prefix producer's TTFT model, which
@@ -508,7 +511,9 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
     of the request's model and session.
 
     Parameters: `harmWeight` (1, >= 0): how much the slowdown of the requests already running
-    counts (0: the request's own completion time only); `defaultOutputTokens` (256): the
+    counts (0: the request's own completion time only); `scaleSeconds` (1, > 0): the extra
+    cost that halves an endpoint's score, so the scorer's weight is worth a second of
+    completion time against the other scorers' points; `defaultOutputTokens` (256): the
     expected output before any response has been seen; `maxOutputTokens` (4096): the cap on
     every expectation, `max_tokens` included; `sessionFields` (["prompt_cache_key", "user"])
     and `sessionHeader` (none): where a request names its session, as for
@@ -547,6 +552,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         defaults = E2eSettings()
         settings = E2eSettings(
             harm_weight=params.number("harmWeight", defaults.harm_weight, at_least=0),
+            scale_seconds=params.number("scaleSeconds", defaults.scale_seconds, above=0),
             default_output_tokens=params.integer("defaultOutputTokens", defaults.default_output_tokens, at_least=1),
             max_output_tokens=params.integer("maxOutputTokens", defaults.max_output_tokens, at_least=1),
             session_fields=params.strings("sessionFields", defaults.session_fields),
@@ -560,15 +566,15 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         datastore = handle.datastore
         if datastore is not None:
             handle.persistent(
-                f"{key}/listener", lambda: datastore.on_departure(_forgetting(ledger)), datastore.remove_listener
+                f"{key}/listener", lambda: datastore.on_departure(ledger.forget), datastore.remove_listener
             )
         scorer = cls(name, settings, ProducerTtftModel(handle), ledger, lengths)
         scorer.parameters = effective
         return scorer
 
-    def expected(self, request: InferenceRequest, cycle_state: CycleState) -> tuple[int, str | None]:
-        """The request's expected output tokens and session name, worked out once per request."""
-        found: tuple[int, str | None] | None = cycle_state.read(_EXPECTED_KEY)
+    def expected(self, request: InferenceRequest, cycle_state: CycleState) -> tuple[ExpectedOutput, str | None]:
+        """The request's expected output and session name, worked out once per request."""
+        found: tuple[ExpectedOutput, str | None] | None = cycle_state.read(_EXPECTED_KEY)
         if found is None:
             settings = self.settings
             session = session_name(request, settings.session_fields, settings.session_header)
@@ -582,17 +588,15 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         tpot = self.tpot
         if not tpot.learnt:
             return [1.0] * len(candidates)
-        tokens, _ = self.expected(request, cycle_state)
+        tokens = self.expected(request, cycle_state)[0].tokens
         prompt_tokens, cached = prompt_and_cached_tokens(request, cycle_state, candidates)
         ttft, ledger, weight = self.ttft, self.ledger, self.settings.harm_weight
         ttft_now, now = ttft.clock(), ledger.clock()
+        curve = tpot.curve()
         estimates: list[E2eEstimate] = []
-        alone = math.inf
         for state, hit in zip(candidates, cached):
             # Interference weight 1: the prefill's stall summed over the requests running there.
             first = ttft.estimate(state, prompt_tokens, hit, ttft_now, 1.0)
-            curve = tpot.curve(state.address)
-            alone = min(alone, tokens * curve.seconds(1.0))
             load = ledger.load(state.address, now)
             prefill_rate = ttft.prefill_rate(state.address)
             estimates.append(
@@ -600,13 +604,13 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             )
         predicted: dict[str, E2eEstimate] = cycle_state.explain().setdefault(PREDICTED_E2E, {})
         predicted.update((c.address, e) for c, e in zip(candidates, estimates))
-        return e2e_scores(estimates, alone)
+        return e2e_scores(estimates, self.settings.scale_seconds)
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         if not result.targets:
             return
         target = result.targets[0]
-        tokens, _ = self.expected(request, result.cycle_state)
+        tokens = self.expected(request, result.cycle_state)[0].tokens
         prompt_tokens, (cached,) = prompt_and_cached_tokens(request, result.cycle_state, [target])
         result.cycle_state[_SENT_KEY] = self.ledger.sent(target.address, tokens, max(0, prompt_tokens - cached))
 
@@ -620,14 +624,17 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         life = self.ledger.ended(sent, completion)
         if completion is None:
             return
-        _, session = self.expected(request, result.cycle_state)
+        expected, session = self.expected(request, result.cycle_state)
         self.lengths.observe(request, session, completion)
+        E2E_OUTPUT_TOKENS_RATIO.labels(request.target_model, expected.source).observe(completion / expected.tokens)
         ttft = outcome.ttft_seconds
         if request.stream and ttft is not None:
             share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
-            self.tpot.observe(sent.address, life.mean_batch, share, outcome.duration_seconds - ttft, completion)
+            self.tpot.observe(life.mean_batch, share, outcome.duration_seconds - ttft, completion)
         explain = result.cycle_state.explain()
         predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
+        if predicted is not None and predicted.seconds > 0.0:
+            E2E_PREDICTION_RATIO.labels(request.target_model).observe(outcome.duration_seconds / predicted.seconds)
         explain[OBSERVED_E2E] = {
             "endpoint": sent.address,
             "seconds": outcome.duration_seconds,
@@ -636,13 +643,3 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             "expected_tokens": sent.expected_tokens,
             "mean_batch": life.mean_batch,
         }
-
-
-def _forgetting(ledger: DecodeLedger) -> Callable[[set[str]], None]:
-    """The departure listener: `ledger` and its TPOT model forget endpoints that left."""
-
-    def forget(departed: set[str]) -> None:
-        ledger.forget(departed)
-        ledger.tpot.forget(departed)
-
-    return forget

@@ -182,11 +182,14 @@ _MATCHED_KEY = StateKey("approx-prefix-cache-producer/matched", tuple)
 
 
 class Pick(NamedTuple):
-    """What the producer expected at pick time; the response teaches the TTFT model with it."""
+    """What the producer expected at pick time; the response teaches the TTFT model with it,
+    unless the prompt was prefilled on another pod (`remote_prefill`): the client's TTFT and
+    the answer's cached tokens (which count the transferred blocks) then describe two pods."""
 
     address: str
     expected_cached_tokens: int
     work_ahead: float
+    remote_prefill: bool = False
 
 
 _PICK_KEY = StateKey("approx-prefix-cache-producer/pick", Pick)
@@ -470,16 +473,21 @@ class ApproxPrefixCacheProducer(
             )
         # Remember what was expected at pick time; the response teaches the TTFT model.
         work_ahead = self.ttft.work_ahead(target)
-        result.cycle_state[_PICK_KEY] = Pick(target.address, expected, work_ahead)
-        if self.config.index_responses and blocks.token_ids is not None:
-            result.cycle_state[_RESPONSE_KEY] = []
-        self.ttft.add_backlog(target.address, blocks.prompt_tokens - expected)
-        if self.shared_ttft is not None:
-            self.shared_ttft.queued(target.address, blocks.prompt_tokens - expected)
         targets = [target]
         prefill = result.profile_results.get(PREFILL_PROFILE)
         if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
             targets.append(prefill.targets[0])
+        result.cycle_state[_PICK_KEY] = Pick(target.address, expected, work_ahead, remote_prefill=len(targets) > 1)
+        if self.config.index_responses and blocks.token_ids is not None:
+            result.cycle_state[_RESPONSE_KEY] = []
+        # The prefill work queues where the prompt is prefilled: the prefill pick when there is
+        # one (the decode pod then computes at most the last partial block).
+        prefilled_at = targets[-1]
+        if prefilled_at is not target:
+            (expected,) = expected_cached_tokens(match, result.cycle_state, [prefilled_at.address])
+        self.ttft.add_backlog(prefilled_at.address, blocks.prompt_tokens - expected)
+        if self.shared_ttft is not None:
+            self.shared_ttft.queued(prefilled_at.address, blocks.prompt_tokens - expected)
         for state in targets:
             self._insert(state.address, blocks.hashes, self._capacity(state))
         PREFIX_INDEXER_SIZE.set(len(self.index))
@@ -507,9 +515,9 @@ class ApproxPrefixCacheProducer(
         usage = outcome.usage
         if pick is None or usage is None or usage.prompt_tokens <= 0:
             return
-        address, expected, work_ahead = pick
-        if outcome.endpoint and outcome.endpoint != address:
-            return  # served elsewhere (a fallback): nothing to compare or learn
+        address, expected, work_ahead, remote_prefill = pick
+        if remote_prefill or (outcome.endpoint and outcome.endpoint != address):
+            return  # prefilled or served elsewhere (P/D, a fallback): nothing to compare or learn
         model = request.target_model
         cached = min(usage.cached_tokens, usage.prompt_tokens)
         PREFIX_PROMPT_TOKENS.labels(model, address).inc(usage.prompt_tokens)

@@ -15,6 +15,7 @@ once cached. The API calls run in worker threads, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -108,12 +109,21 @@ class KubeAccessReviewer:
     """Reviews metrics-port requests with TokenReview and SubjectAccessReview (see module doc)."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        self._authentication = client.AuthenticationV1Api(api)
-        self._authorization = client.AuthorizationV1Api(api)
+        self._api = api
         self._users: ReviewCache[str, ReviewedUser | None] = ReviewCache(lambda _: TOKEN_TTL)
         self._verdicts: ReviewCache[tuple[ReviewedUser, str, str], Verdict] = ReviewCache(
             lambda verdict: ALLOWED_TTL if verdict.allowed else DENIED_TTL
         )
+
+    # The generated API classes are built at the first review, in its thread: importing their
+    # modules at start would delay SERVING by a tenth of a second of CPU.
+    @functools.cached_property
+    def _authentication(self) -> client.AuthenticationV1Api:
+        return client.AuthenticationV1Api(self._api)
+
+    @functools.cached_property
+    def _authorization(self) -> client.AuthorizationV1Api:
+        return client.AuthorizationV1Api(self._api)
 
     async def decide(self, authorization: str | None, verb: str, path: str) -> AccessDecision:
         token = bearer_token(authorization)

@@ -216,6 +216,13 @@ INFO = Gauge("inference_extension_info", "Build information.", ("commit", "build
 PD_DECISIONS = Counter(
     "llm_d_inference_scheduler_pd_decision", "Total number of P/D disaggregation decisions made", ("decision_type",)
 )
+# picker's own: of those decode-only requests, the ones that were to be prefilled remotely but
+# found no prefill pod (a fleet without one, or all filtered out), which llm-d's count cannot tell apart.
+PD_PREFILL_UNAVAILABLE = Counter(
+    "picker_pd_prefill_unavailable",
+    "Requests pd-profile-handler meant to prefill on a prefill pod but decoded alone: no prefill pod passed "
+    "the prefill profile.",
+)
 
 # -- picker's own -----------------------------------------------------------------------------
 ROUTED_TOTAL = Counter("picker_requests_routed", "Requests sent to each endpoint.", ("endpoint",))
@@ -315,6 +322,23 @@ STATE_STORE_ERRORS = Counter(
 )
 STATE_STORE_CONNECTED = Gauge(
     "picker_state_store_connected", "1 while the state store answers (the last publish and read succeeded), else 0."
+)
+
+# -- completion-time cost (picker/latency/e2e.py) ----------------------------------------------
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+E2E_PREDICTION_RATIO = Histogram(
+    "picker_e2e_prediction_ratio",
+    "Per request routed by e2e-cost-scorer: its observed completion time over the time predicted "
+    "at the chosen endpoint (1 = exact).",
+    ("model_name",),
+    buckets=_RATIO_BUCKETS,
+)
+E2E_OUTPUT_TOKENS_RATIO = Histogram(
+    "picker_e2e_output_tokens_ratio",
+    "Per request routed by e2e-cost-scorer: its completion tokens over the tokens expected, by where the "
+    "expectation came from (max_tokens, session, model, default).",
+    ("model_name", "source"),
+    buckets=_RATIO_BUCKETS,
 )
 
 # -- prefix-cache routing (picker/prefix) ------------------------------------------------------

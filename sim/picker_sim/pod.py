@@ -309,13 +309,24 @@ class Pod:
 
     @staticmethod
     def _max_tokens(body: dict[str, Any], *keys: str) -> int:
+        """The answer's length. The simulated model stops as soon as it may: at `min_tokens`
+        when the request gives it and does not set `ignore_eos` (a client that lets the model
+        end its answer, not announcing its length), else at the limit (`max_tokens`, 16 by
+        default)."""
+        limit = None
         for key in keys:
             value = body.get(key)
             if value is not None:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise HTTPError(400, f"{key} must be a positive integer")
-                return value
-        return 16
+                limit = value
+                break
+        natural = body.get("min_tokens")
+        if natural is not None and (not isinstance(natural, int) or isinstance(natural, bool) or natural < 0):
+            raise HTTPError(400, "min_tokens must be a non-negative integer")
+        if not natural or body.get("ignore_eos") is True:
+            return limit or 16
+        return natural if limit is None else min(natural, limit)
 
     # -- inference ------------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import yaml
 from kubernetes import client
 
+from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import apply_manifests, wait_crds_established
 from picker_bench.reference_epp import reference_dir
 from tests.e2e.helm_cli import helm
+from tests.e2e.kube_resources import create_namespace
 
 PICKER_CHART = Path(__file__).resolve().parents[2] / "charts" / "picker"
 
@@ -99,22 +102,44 @@ def validate_strict(manifest: Path) -> None:
     assert result.returncode == 0, f"kubernetes-validate rejected {manifest}:\n{result.stdout}\n{result.stderr}"
 
 
-def reference_chart(helm_binary: Path, helm_env: dict[str, str], directory: Path) -> Path:
-    """The reference inferencepool chart, with its epplib dependency built in (a writable copy:
-    the module cache is read-only)."""
+def lint_validate_install(
+    helm_binary: Path,
+    helm_env: dict[str, str],
+    kube: KubeCluster,
+    api: client.ApiClient,
+    values: Iterable[Path],
+    prefix: str,
+    chart: Path = PICKER_CHART,
+) -> str:
+    """`helm lint --strict`, the rendering validated strictly, then `helm install rel` into a
+    fresh namespace (named from `prefix`), which is returned."""
+    dash_f = [arg for path in values for arg in ("-f", str(path))]
+    helm(helm_binary, helm_env, "lint", "--strict", str(chart), *dash_f)
+    with tempfile.TemporaryDirectory(prefix="picker-chart-") as directory:
+        manifest = Path(directory) / "rendered.yaml"
+        manifest.write_text(helm(helm_binary, helm_env, "template", "rel", str(chart), "-n", "ns", *dash_f))
+        validate_strict(manifest)
+    namespace = create_namespace(api, prefix)
+    helm(helm_binary, helm_env, "install", "rel", str(chart), "-n", namespace, *dash_f, kube=kube)
+    return namespace
+
+
+def reference_chart(helm_binary: Path, helm_env: dict[str, str], directory: Path, chart: str = "inferencepool") -> Path:
+    """A reference chart (inferencepool or standalone), with its epplib dependency built in (a
+    writable copy: the module cache is read-only)."""
     charts = reference_dir() / "config" / "charts"
-    for name in ("inferencepool", "epplib"):
+    for name in (chart, "epplib"):
         shutil.copytree(charts / name, directory / name, copy_function=shutil.copyfile)
         copy = directory / name
         for path in (copy, *copy.rglob("*")):
             path.chmod(0o755 if path.is_dir() else 0o644)
-    helm(helm_binary, helm_env, "dependency", "build", str(directory / "inferencepool"))
-    return directory / "inferencepool"
+    helm(helm_binary, helm_env, "dependency", "build", str(directory / chart))
+    return directory / chart
 
 
-def reference_values() -> Path:
-    """The reference inferencepool chart's own values.yaml."""
-    return reference_dir() / "config" / "charts" / "inferencepool" / "values.yaml"
+def reference_values(chart: str = "inferencepool") -> Path:
+    """A reference chart's own values.yaml (inferencepool's by default)."""
+    return reference_dir() / "config" / "charts" / chart / "values.yaml"
 
 
 def epplib_values() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from kubernetes import client, config
 
 from picker_bench.kube_cluster import KubeCluster, MissingBinaryError, cached_binary
 from picker_bench.kube_resources import apply_manifests, wait_crds_established
+from tests.e2e.charts import install_third_party_crds
 from tests.e2e.helm_cli import HELM_VERSION, helm
 from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
 
@@ -66,6 +67,12 @@ def admin_api(kube_cluster: KubeCluster) -> Iterator[client.ApiClient]:
     api = config.new_client_from_config(config_file=str(kube_cluster.admin_kubeconfig))
     with api:
         yield api
+
+
+@pytest.fixture(scope="session")
+def third_party_crds(admin_api: client.ApiClient) -> None:
+    """Stand-in CRDs for the other projects' kinds the charts' options render."""
+    install_third_party_crds(admin_api)
 
 
 @pytest.fixture(scope="module")

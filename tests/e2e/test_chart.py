@@ -18,7 +18,6 @@ from picker.config.loader import build, parse_text
 from tests.e2e.charts import (
     by_kind,
     chart_image,
-    install_third_party_crds,
     one,
     render,
     validate_strict,
@@ -190,11 +189,6 @@ CASES: dict[str, dict[str, Any]] = {
         ],
     },
 }
-
-
-@pytest.fixture(scope="module")
-def third_party_crds(admin_api: client.ApiClient) -> None:
-    install_third_party_crds(admin_api)
 
 
 def picker_docs(helm_binary: Path, helm_env: dict[str, str], tmp_path: Path, values: dict[str, Any]) -> list[dict]:
@@ -554,6 +548,12 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
         ({"inferencePool": {"modelServerType": "tgi"}}, "modelServerType"),
         ({"inferencePool": {"targetPortNumber": 8001}}, "targetPortNumber (8001"),
         ({"inferenceExtension": {"sidecar": {"enabled": True, "name": "proxy"}}}, "name and image are required"),
+        (
+            {"inferenceExtension": {"sidecar": {"enabled": True}, "secureServing": False}},
+            "the shipped Envoy config reaches the picker at 127.0.0.1:9002 over TLS",
+        ),
+        ({"inferenceExtension": {"sidecar": {"enabled": True}, "extProcPort": 9100}}, "keep extProcPort 9002"),
+        ({"inferenceExtension": {"endpointsServer": {"targetPorts": [8000]}}}, "targetPorts"),
         (
             {
                 "inferencePool": {

@@ -12,10 +12,7 @@ monitoring, tracing, sidecar)."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,28 +23,27 @@ import yaml
 from grpc_health.v1 import health_pb2
 from kubernetes import client
 
-from picker_bench.process import ManagedProcess, free_port, wait_until
-from picker_bench.reference_epp import ReferenceUnavailableError
+from picker_bench.gobuild import GoModuleUnavailableError
+from picker_bench.process import wait_until
 from tests.e2e.charts import (
     by_kind,
     chart_image,
     epplib_values,
-    install_third_party_crds,
+    lint_validate_install,
     one,
     reference_chart,
     reference_values,
     render,
-    validate_strict,
     values_file,
 )
 from tests.e2e.conftest import CHART
 from tests.e2e.helm_cli import helm
 from tests.e2e.kube_resources import create_namespace, service_account_kubeconfig
+from tests.e2e.kube_stack import run_like_the_kubelet
 from tests.stack import health_status
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROBE_DEADLINE = 30.0
-_pod_names = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +55,7 @@ def reference_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     try:
         inferencepool = reference_values()
         epplib = epplib_values()
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
     return {
         "inferencepool": inferencepool,
@@ -77,15 +73,10 @@ VALUE_SETS = {
 
 
 @pytest.fixture(scope="module")
-def third_party_crds(admin_api: client.ApiClient) -> None:
-    install_third_party_crds(admin_api)
-
-
-@pytest.fixture(scope="module")
 def reference(helm_binary: Path, helm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         return reference_chart(helm_binary, helm_env, tmp_path_factory.mktemp("reference-chart"))
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
@@ -96,34 +87,6 @@ def epp_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {kind: container[kind] for kind in ("livenessProbe", "readinessProbe")}
-
-
-def run_like_the_kubelet(
-    deployment: client.V1Deployment, namespace: str, kubeconfig: Path, log_dir: Path
-) -> tuple[ManagedProcess, Callable[[int], int]]:
-    """`picker serve` with the Deployment's args and env. Outside a pod it needs what the pod
-    would give it: the API server (the ServiceAccount's token), loopback ports in place of the
-    pod's own (the returned function maps a container port to the one used) and the downward
-    API's values."""
-    container = deployment.spec.template.spec.containers[0]
-    assert container.args[0] == "serve"
-    ports: dict[int, int] = {}
-
-    def local(port: int) -> int:
-        return ports.setdefault(port, free_port())
-
-    args = []
-    for arg in container.args:
-        name, _, value = arg.partition("=")
-        if name in ("--grpc-port", "--grpc-health-port", "--metrics-port"):
-            arg = f"{name}={local(int(value))}"
-        args.append(arg)
-    downward = {"metadata.namespace": namespace, "metadata.name": f"{deployment.metadata.name}-{next(_pod_names)}"}
-    env = dict(os.environ)
-    for var in container.env:
-        env[var.name] = downward[var.value_from.field_ref.field_path] if var.value_from else var.value
-    argv = [sys.executable, "-m", "picker.cli", *args, "--bind-address=127.0.0.1", f"--kubeconfig={kubeconfig}"]
-    return ManagedProcess(f"picker-{namespace}", argv, log_dir, env=env).start(), local
 
 
 def probe_statuses(container: client.V1Container, local: Callable[[int], int]) -> dict[str, str]:
@@ -142,15 +105,10 @@ def probe_statuses(container: client.V1Container, local: Callable[[int], int]) -
 def test_reference_values_install_validate_and_the_probes_answer_serving(
     value_set, reference_files, kube_cluster, admin_api, helm_binary, helm_env, third_party_crds, tmp_path
 ) -> None:
-    files = [str(reference_files[name]) for name in VALUE_SETS[value_set]]
-    dash_f = [arg for path in files for arg in ("-f", path)]
-    helm(helm_binary, helm_env, "lint", "--strict", str(CHART), *dash_f)
-    manifest = tmp_path / "rendered.yaml"
-    manifest.write_text(helm(helm_binary, helm_env, "template", "rel", str(CHART), "-n", "ns", *dash_f))
-    validate_strict(manifest)
-
-    namespace = create_namespace(admin_api, f"reference-{value_set}")
-    helm(helm_binary, helm_env, "install", "rel", str(CHART), "-n", namespace, *dash_f, kube=kube_cluster)
+    files = [reference_files[name] for name in VALUE_SETS[value_set]]
+    namespace = lint_validate_install(
+        helm_binary, helm_env, kube_cluster, admin_api, files, f"reference-{value_set}", CHART
+    )
     deployment = client.AppsV1Api(admin_api).read_namespaced_deployment("rel-epp", namespace)
     kubeconfig = service_account_kubeconfig(
         admin_api, kube_cluster, namespace, deployment.spec.template.spec.service_account_name, tmp_path / "sa"
@@ -378,6 +336,7 @@ def test_the_compatibility_table_covers_every_reference_key() -> None:
     keys = leaf_keys(yaml.safe_load(reference_values().read_text()))
     keys |= leaf_keys({"inferenceExtension": epplib_values()})
     keys |= leaf_keys(epplib_values())  # the epplib values.yaml passed directly
+    keys |= leaf_keys(yaml.safe_load(reference_values("standalone").read_text()))
     readme = (charts / "inferencepool" / "README.md").read_text()
     keys |= {f"provider.{k}" if k.startswith("istio.") else k for k in re.findall(r"^\| `([^`]+)`", readme, re.M)}
     documented = documented_keys()

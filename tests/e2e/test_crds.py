@@ -1,6 +1,7 @@
 """The CRDs in manifests/crds, applied to the real API server: valid objects (the examples in
-manifests/examples among them, and the reference's own InferenceModelRewrites) are accepted,
-invalid ones rejected by the schema's validation."""
+manifests/examples among them, the reference's own InferenceModelRewrites, and the status a
+multi-cluster controller writes on an InferencePoolImport) are accepted, invalid ones rejected by
+the schema's validation."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_resources import load_documents, pool_body
-from picker_bench.reference_epp import ReferenceUnavailableError, reference_dir
+from picker_bench.reference_epp import reference_dir
 from tests.e2e.conftest import ROOT
 from tests.e2e.kube_resources import create_namespace
 
@@ -20,6 +22,7 @@ V1 = ("inference.networking.k8s.io", "v1", "inferencepools")
 LEGACY = ("inference.networking.x-k8s.io", "v1alpha2", "inferencepools")
 OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives")
 REWRITES = ("inference.networking.x-k8s.io", "v1alpha2", "inferencemodelrewrites")
+IMPORTS = ("inference.networking.x-k8s.io", "v1alpha1", "inferencepoolimports")
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +121,7 @@ def reference_rewrites() -> list[dict[str, Any]]:
     guide's (the whole resources among its YAML blocks)."""
     try:
         root = reference_dir()
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
     docs = load_documents([root / "test" / "testdata" / "inferencepool-with-model-hermetic.yaml"])
     guide = (root / "site-src" / "guides" / "adapter-rollout.md").read_text()
@@ -169,5 +172,68 @@ def test_invalid_model_rewrites_are_rejected(admin_api, namespace, name, spec, e
     body = {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite"}
     with pytest.raises(client.ApiException) as info:
         create(admin_api, namespace, REWRITES, {**body, "metadata": {"name": name}, "spec": spec})
+    assert info.value.status == 422
+    assert expected in info.value.body, info.value.body
+
+
+def import_status(**controller: Any) -> dict[str, Any]:
+    """An InferencePoolImport status with one controller: an exporting cluster and a Gateway
+    that accepted the import, overridden by `controller`."""
+    condition = {
+        "type": "Accepted",
+        "status": "True",
+        "reason": "Accepted",
+        "message": "",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    entry = {
+        "name": "example.net/import-controller",
+        "exportingClusters": [{"name": "cluster-a"}],
+        "parents": [{"parentRef": {"name": "inference-gateway"}, "conditions": [condition]}],
+        "conditions": [condition],
+    }
+    return {"controllers": [{**entry, **controller}]}
+
+
+def create_import(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    body = {"apiVersion": "inference.networking.x-k8s.io/v1alpha1", "kind": "InferencePoolImport"}
+    return create(api, namespace, IMPORTS, {**body, "metadata": {"name": name}})
+
+
+def write_import_status(api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    group, version, plural = IMPORTS
+    custom = client.CustomObjectsApi(api)
+    return custom.patch_namespaced_custom_object_status(group, version, namespace, plural, name, {"status": status})
+
+
+def test_a_pool_import_is_accepted_and_its_controller_writes_its_status(admin_api, namespace) -> None:
+    created = create_import(admin_api, namespace, "imported")
+    assert "status" not in created  # a controller writes it, through the status subresource
+    written = write_import_status(admin_api, namespace, "imported", import_status())
+    (controller,) = written["status"]["controllers"]
+    assert controller["exportingClusters"] == [{"name": "cluster-a"}]
+    parent_ref = controller["parents"][0]["parentRef"]
+    assert (parent_ref["group"], parent_ref["kind"]) == ("gateway.networking.k8s.io", "Gateway")
+
+
+@pytest.mark.parametrize(
+    "name, status, expected",
+    [
+        ("no-controllers", {}, "status.controllers: Required value"),
+        ("controller-no-path", import_status(name="example.net"), "should match"),
+        ("cluster-no-name", import_status(exportingClusters=[{}]), "name: Required value"),
+        ("nine-controllers", {"controllers": [{"name": f"example.net/c{i}"} for i in range(9)]}, "at most 8 items"),
+        ("same-controller", {"controllers": [{"name": "example.net/c"}] * 2}, "Duplicate value"),
+        (
+            "bad-condition",
+            import_status(conditions=[{**import_status()["controllers"][0]["conditions"][0], "status": "Maybe"}]),
+            "Unsupported value",
+        ),
+    ],
+)
+def test_invalid_pool_import_statuses_are_rejected(admin_api, namespace, name, status, expected) -> None:
+    create_import(admin_api, namespace, name)
+    with pytest.raises(client.ApiException) as info:
+        write_import_status(admin_api, namespace, name, status)
     assert info.value.status == 422
     assert expected in info.value.body, info.value.body

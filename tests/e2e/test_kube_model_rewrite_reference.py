@@ -24,9 +24,10 @@ import pytest
 from kubernetes import client
 
 from picker.request.openai import MODEL_REWRITE_HEADER
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
 from picker_bench.process import free_port, wait_until
-from picker_bench.reference_epp import ReferenceUnavailableError, reference_epp_binary, start_reference_epp
+from picker_bench.reference_epp import reference_epp_binary, start_reference_epp
 from tests.e2e.kube_stack import release_gateway, shared_port
 from tests.stack import start_backends, start_envoy
 
@@ -60,7 +61,7 @@ def urls(kube_cluster, picker_release, pool, tmp_path_factory: pytest.TempPathFa
     """The completions URL through picker and through the reference EPP, for the same pool."""
     try:
         binary = reference_epp_binary()  # built from its Go module the first time
-    except ReferenceUnavailableError as exc:
+    except GoModuleUnavailableError as exc:
         pytest.fail(str(exc), pytrace=False)
     log_dir, grpc_port = tmp_path_factory.mktemp("reference-rewrite"), free_port()
     ns, name = picker_release["namespace"], picker_release["pool"]

@@ -10,7 +10,6 @@ import itertools
 import json
 import random
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -21,22 +20,11 @@ from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
 from picker_bench.process import ManagedProcess
 from tests.e2e.kube_resources import delete_pod, patch_config_map
-from tests.e2e.kube_stack import release_gateway, shared_port
+from tests.e2e.kube_stack import post, release_gateway, shared_port
 from tests.stack import Picker, start_backends
 
 CHANGE_DEADLINE = 1.0
 _labels = itertools.count(1)
-
-
-def post(url: str) -> tuple[int, str | None]:
-    """(status, the backend that answered) for one completion request through Envoy."""
-    body = json.dumps({"model": "m", "prompt": "hello"}).encode()
-    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status, response.headers.get("x-backend")
-    except urllib.error.HTTPError as exc:
-        return exc.code, None
 
 
 def routes_only_to(url: str, expected: set[str], deadline: float, what: str, probes: int = 6) -> float:

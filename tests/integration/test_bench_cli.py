@@ -9,6 +9,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -77,7 +78,10 @@ def finish(proc: subprocess.Popen[bytes], timeout: float) -> str:
 
 
 def envoy_upstream_requests(config: Path) -> int:
-    admin = yaml.safe_load(config.read_text())["admin"]["address"]["socket_address"]
+    document = yaml.safe_load(config.read_text())
+    if not isinstance(document, dict):  # seen while the bench is still writing it
+        return 0
+    admin = document["admin"]["address"]["socket_address"]
     url = f"http://{admin['address']}:{admin['port_value']}/stats?filter=^cluster.backends.upstream_rq_total$"
     try:
         with urllib.request.urlopen(url, timeout=1) as r:
@@ -126,6 +130,8 @@ def test_short_comparison_writes_results(tmp_path: Path) -> None:
         requests = (tmp_path / "requests" / f"{name}.jsonl").read_text().splitlines()
         assert len(requests) == system["requests"] and json.loads(requests[0])["pod"] in system["pods"]
     assert results["systems"]["picker"]["decision_time"]["count"] >= results["systems"]["picker"]["requests"]
+    page = (tmp_path / "requests" / "picker.metrics.txt").read_text()  # the picker's view, kept for analysis
+    assert "inference_extension_scheduler_e2e_duration_seconds_count" in page
     assert "round-robin" in output and "results.json" in output
     assert len(started_pids(tmp_path)) == 7  # a fleet and a gateway per system, plus the picker itself
     assert alive_in_groups(started_pids(tmp_path)) == []
@@ -160,4 +166,59 @@ def test_picker_replicas_behind_one_envoy_with_a_shared_store(tmp_path: Path) ->
         assert (
             "sharing state through redis://127.0.0.1:" in (tmp_path / "logs" / f"picker-0-picker-{n}.log").read_text()
         )
+    assert alive_in_groups(started_pids(tmp_path)) == []
+
+
+def capacity_search(out: Path, slo_ttft_p90: str) -> tuple[str, dict[str, Any]]:
+    """A short capacity search of round robin and the picker: rate steps 4 and 8 req/s, 2 s each."""
+    proc = bench(
+        out,
+        "--systems",
+        "round-robin,picker",
+        "--capacity",
+        "--slo-ttft-p90",
+        slo_ttft_p90,
+        "--rates",
+        "4,8",
+        "--duration",
+        "2",
+    )
+    output = finish(proc, 150)
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output
+    return output, json.loads((out / "results.json").read_text())
+
+
+def test_capacity_search_with_a_generous_slo_passes_every_step(tmp_path: Path) -> None:
+    output, results = capacity_search(tmp_path, "30")
+    assert results["mode"] == "capacity" and results["slo"] == {"ttft_p90_s": 30.0, "tpot_p90_s": None}
+    assert results["settings"]["rates"] == [4.0, 8.0] and results["failures"] == {}
+    assert set(results["systems"]) == {"round-robin", "picker"}
+    for name, system in results["systems"].items():
+        assert (system["capacity"], system["limit_found"]) == (8.0, False), (name, system)
+        assert [step["rate"] for step in system["steps"]] == [4.0, 8.0]
+        for step in system["steps"]:
+            assert step["passed"] and step["errors"] == 0 and step["sent"] > 0, (name, step)
+            # every request met the SLO, so goodput is the offered rate
+            assert step["goodput_rps"] == step["offered_rps"] > 0
+            assert step["ttft_p50_s"] <= step["ttft_p90_s"] <= 30 and step["tpot_p90_s"] > 0
+            requests = (tmp_path / "requests" / name / f"{step['rate']:g}.jsonl").read_text().splitlines()
+            assert len(requests) == step["sent"]
+        assert system["goodput_rps"] == system["steps"][1]["goodput_rps"]
+    assert "capacity at TTFT p90 <= 30 s, no errors" in output and ">= 8" in output
+    assert "| picker | >= 8 |" in (tmp_path / "report.md").read_text()
+    # each step had its own cold fleet and gateway: 2 steps x (fleet, Envoy) + 2 x (fleet, picker, Envoy)
+    assert len(started_pids(tmp_path)) == 10
+    assert alive_in_groups(started_pids(tmp_path)) == []
+
+
+def test_capacity_search_with_an_impossible_slo_fails_at_the_first_step(tmp_path: Path) -> None:
+    output, results = capacity_search(tmp_path, "0.000001")
+    for name, system in results["systems"].items():
+        assert (system["capacity"], system["goodput_rps"], system["limit_found"]) == (None, None, True), name
+        (step,) = system["steps"]  # the search stopped there: 8 req/s was never run
+        assert step["rate"] == 4.0 and not step["passed"] and step["goodput_rps"] == 0.0
+        assert step["verdict"].startswith("TTFT p90 ") and step["verdict"].endswith(" s > 1e-06 s")
+    assert "round-robin @ 4 req/s: FAIL" in output and "< 4" in output
+    assert len(started_pids(tmp_path)) == 5
     assert alive_in_groups(started_pids(tmp_path)) == []

@@ -13,7 +13,7 @@ import pytest
 
 from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary
-from picker_bench.reference_epp import llmd_epp_binary
+from picker_bench.llmd import llmd_epp_binary
 from tests.integration.test_bench_cli import alive_in_groups, bench, finish, started_pids
 
 PICKER_PRECISE = Path(__file__).resolve().parents[2] / "manifests" / "configs" / "picker-precise.yaml"
@@ -60,10 +60,11 @@ def test_llmd_approximate_and_precise_beside_picker_precise(tmp_path: Path, llmd
     assert "llmd-epp-0-llmd" in names and "llmd-epp-1-llmd-precise" in names, names
     assert alive_in_groups(started_pids(tmp_path)) == []
     logs = tmp_path / "logs"
+    pages = tmp_path / "requests"
 
     # llm-d precise indexed the engines' events (BlockStored by topic kv@<pod IP>@<model>) and
     # found requests' blocks on a pod: its block keys are the engines' sha256_cbor hashes.
-    llmd = (logs / "metrics-1-llmd-precise.prom").read_text()
+    llmd = (pages / "llmd-precise.metrics.txt").read_text()
     assert counter(llmd, "kvcache_index_admissions_total") > 0
     assert counter(llmd, "kvcache_index_lookup_hits_total") > 0
     # ... and its scores name the pods holding them by address: at most the 16 blocks (256 tokens)
@@ -78,6 +79,6 @@ def test_llmd_approximate_and_precise_beside_picker_precise(tmp_path: Path, llmd
     assert max(blocks for _, blocks in named) == 16 and min(blocks for _, blocks in named) > 0, named
 
     # picker:precise read its own fleet's events (each pod binds its publisher) from both pods.
-    picker = (logs / "metrics-2-picker.prom").read_text()
+    picker = (pages / "picker-precise.metrics.txt").read_text()
     for pod in ("127.0.0.1", "127.0.0.2"):
         assert counter(picker, "picker_kv_events_total", f'endpoint="{pod}:') > 0, pod

@@ -51,12 +51,13 @@ class RecordingServer:
             + b"\n\n"
         )
         await asyncio.sleep(FIRST_TOKEN_DELAY)  # the simulated model's time to first token
-        for _ in range(body["max_tokens"]):
+        answer = body.get("max_tokens") or body["min_tokens"]  # announced, or the model's natural end
+        for _ in range(answer):
             choice = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
             await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
         usage = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": body["max_tokens"],
+            "completion_tokens": answer,
             "prompt_tokens_details": {"cached_tokens": prompt_tokens // 2},
         }
         await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
@@ -139,6 +140,19 @@ async def test_session_keys_reach_the_server_in_the_body(server) -> None:
     for body in rec.bodies:
         sent = tuple((m["role"], m["content"]) for m in body["messages"])
         assert body.get("prompt_cache_key") == key_of[sent]
+
+
+async def test_unannounced_answer_lengths_go_as_min_tokens_only(server) -> None:
+    rec, url = server
+    sessions = [
+        w.Session(0.0, (w.Prompt(5, messages=(("user", "hi"),)), w.Prompt(3, messages=(("user", "yo"),))), (0.0,))
+    ]
+    results = await run_load(sessions, LoadOptions(url, "m", announce_lengths=False))
+    assert [r.output_tokens for r in results] == [5, 3]
+    assert [(b.get("max_tokens"), b.get("ignore_eos"), b["min_tokens"]) for b in rec.bodies] == [
+        (None, None, 5),
+        (None, None, 3),
+    ]
 
 
 async def test_tenants_and_objectives_reach_the_server_in_headers(server) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary
-from picker_bench.reference_epp import ReferenceUnavailableError, reference_epp_binary
+from picker_bench.reference_epp import reference_epp_binary
 from tests.integration.test_bench_cli import alive_in_groups, bench, finish, started_pids
 
 # On a fresh machine the binary is built first: about 3 minutes of CPU on 2 cores
@@ -22,17 +23,19 @@ def reference_binary() -> Path:
     try:
         cached_binary("kube-apiserver", KUBE_VERSION)
         return reference_epp_binary()
-    except (MissingBinaryError, ReferenceUnavailableError) as exc:
+    except (MissingBinaryError, GoModuleUnavailableError) as exc:
         pytest.fail(str(exc), pytrace=False)
 
 
-def test_the_reference_epp_routes_the_bench_load_over_the_pods(tmp_path: Path, reference_binary: Path) -> None:
+def test_the_reference_epp_routes_the_bench_load_to_the_pods(tmp_path: Path, reference_binary: Path) -> None:
     proc = bench(tmp_path, "--systems", "reference-epp", "--reference-epp", str(reference_binary), "--duration", "3")
     output = finish(proc, 180)
     assert proc.returncode == 0, output
     system = json.loads((tmp_path / "results.json").read_text())["systems"]["reference-epp"]
     assert system["requests"] > 10 and system["errors"] == 0, system
-    assert set(system["pods"]) == {"sim-0", "sim-1"}  # from the sims' x-inference-pod: both served
+    # From the sims' x-inference-pod. Which of them served is the reference's choice: on one shared
+    # prefix its prefix scorer may keep every request on one pod.
+    assert system["pods"] and set(system["pods"]) <= {"sim-0", "sim-1"}
     # Its own scheduler histogram, read from its /metrics: it chose the pod of every request.
     assert system["decision_time"]["count"] >= system["requests"]
     names = [line.split()[1] for line in (tmp_path / "pids").read_text().splitlines()]

@@ -1,7 +1,8 @@
 """`make image` really builds the picker image from the Dockerfile, and the image runs as the
 chart runs it: a real podman builds it, and `picker serve` in it (non-root, read-only root
 filesystem, no capabilities) answers the gRPC health checks the chart probes SERVING and routes
-a request from a real Envoy to a real backend.
+a request from a real Envoy to a real backend, through both shipped Envoy configs (one of them
+the chart's Envoy sidecar's: the standalone pair).
 
 No Docker daemon runs on the test machines and Docker Hub is out of their reach, so the base
 image is built from Debian's packages (tools/build-base-image.sh; tools/install-test-binaries.sh
@@ -200,17 +201,20 @@ def test_the_image_serves_probes_and_routes_as_the_chart_runs_it(
     argv += ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)]
     argv += ["--metrics-port", str(metrics_port)]
     picker = ManagedProcess("picker-image", argv, log_dir, env=podman.env).start()
-    envoy = None
+    envoys = []
     try:
         picker.wait_ready(lambda: serving(health_port), timeout=90)
         assert {name: health_status(health_port, name) for name in PROBED} == dict.fromkeys(PROBED, SERVING)
-        envoy = start_envoy("buffered", grpc_port, log_dir, tls=True, name="envoy-image")
-        answer = post_completion(envoy.url + "/v1/completions")
-        # The backend that answered is the one the picker in the image chose.
-        assert answer["headers"]["x-gateway-destination-endpoint"] == answer["backend"]
-        assert answer["backend"] in addresses
+        # duplex is the config the chart's Envoy sidecar runs (charts/picker/envoy/gateway.yaml):
+        # the standalone pair, with Envoy from the venv, as Docker Hub's Envoy image is out of reach.
+        for mode in ("buffered", "duplex"):
+            envoys.append(start_envoy(mode, grpc_port, log_dir, tls=True, name=f"envoy-image-{mode}"))
+            answer = post_completion(envoys[-1].url + "/v1/completions")
+            # The backend that answered is the one the picker in the image chose.
+            assert answer["headers"]["x-gateway-destination-endpoint"] == answer["backend"], mode
+            assert answer["backend"] in addresses, mode
     finally:
-        if envoy is not None:
+        for envoy in envoys:
             envoy.stop()
         picker.stop()  # SIGTERM to `podman run`, which passes it to the picker in the container
         backends.stop()

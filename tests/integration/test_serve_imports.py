@@ -29,6 +29,7 @@ HEAVY = (
     "torch",
     "cel_expr_python",  # request-attribute-reporter's CEL
     "smg_grpc_proto",  # vllmgrpc-parser's messages
+    "zmq",  # the KV-events subscriber of precise-prefix-cache-scorer
 )
 
 # `python -m picker.cli ARGS` that writes its sys.modules to the file named by argv[1] at exit.

@@ -109,6 +109,22 @@ async def test_non_streaming_completion_and_chat(fleet: Fleet, http) -> None:
     assert chat["usage"]["prompt_tokens"] == len(encode(render_chat(messages)))
 
 
+async def test_without_ignore_eos_the_model_ends_its_answer_at_min_tokens(fleet: Fleet, http) -> None:
+    # How a bench client lets answers run their natural length without announcing it in max_tokens.
+    url = fleet.pods[0].url + "/v1/completions"
+    cases = [
+        ({"min_tokens": 7}, 7),  # no limit given: the natural length
+        ({"min_tokens": 7, "max_tokens": 5}, 5),  # cut at the limit
+        ({"min_tokens": 7, "max_tokens": 9}, 7),
+        ({"min_tokens": 7, "max_tokens": 9, "ignore_eos": True}, 9),  # ignore_eos runs to the limit
+        ({"min_tokens": 0, "max_tokens": 4}, 4),  # vLLM's default min_tokens: no natural length
+    ]
+    for fields, tokens in cases:
+        async with http.post(url, json={"prompt": "hello there", **fields}) as resp:
+            assert resp.status == 200, fields
+            assert (await resp.json())["usage"]["completion_tokens"] == tokens, fields
+
+
 async def test_streaming_chat_ends_with_done_and_no_usage_unless_asked(fleet: Fleet, http) -> None:
     body = {"messages": [{"role": "user", "content": "stream please"}], "max_tokens": 5, "stream": True}
     async with http.post(fleet.pods[0].url + "/v1/chat/completions", json=body) as resp:
@@ -157,6 +173,7 @@ async def test_bad_requests_get_clear_errors(fleet: Fleet, http) -> None:
         ("/v1/completions", orjson.dumps({"model": "nope", "prompt": "x"}), 404, "does not exist"),
         ("/v1/completions", orjson.dumps({"prompt": {"a": 1}}), 400, "prompt must be"),
         ("/v1/completions", orjson.dumps({"prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
+        ("/v1/completions", orjson.dumps({"prompt": "x", "min_tokens": "3"}), 400, "min_tokens"),
         ("/v1/completions", orjson.dumps({"prompt": "x " * 40000}), 400, "maximum context length"),
         ("/v1/chat/completions", orjson.dumps({"messages": []}), 400, "messages"),
     ]

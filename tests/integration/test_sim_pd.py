@@ -13,13 +13,12 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from picker.discovery.static import parse_endpoint_file
 from picker.scheduling.labels import ROLE_LABEL
 from picker_bench.systems import FleetPod, write_endpoints_file
 from picker_sim.engine import answer_text
-from tests.sim_fixtures import BlockSetSubscriber, eventually, start_sim, stop_process
+from tests.sim_fixtures import BlockSetSubscriber, delta, eventually, pod_metrics, start_sim, stop_process
 
 BLOCK = 16
 PREFILL_PARAMS = {
@@ -79,14 +78,7 @@ async def _post(
 
 
 async def _metrics(http: aiohttp.ClientSession, pod: FleetPod) -> dict[str, float]:
-    async with http.get(f"http://{pod.address}/metrics") as resp:
-        text = await resp.text()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            source = s.labels.get("source")
-            samples[s.name + (f"{{{source}}}" if source else "")] = s.value
-    return samples
+    return await pod_metrics(http, pod.address)
 
 
 async def _cached(http: aiohttp.ClientSession, pod: FleetPod) -> set[int]:
@@ -101,10 +93,6 @@ async def _prefill(http: aiohttp.ClientSession, pod: FleetPod, prompt: list[int]
     assert status == 200, answer
     params: dict[str, Any] = answer["kv_transfer_params"]
     return params
-
-
-def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def test_roles_are_visible_where_routers_read_them(pd_pods: list[FleetPod], tmp_path: Path) -> None:
@@ -148,13 +136,13 @@ async def test_two_step_flow_answers_as_one_pod_would(pd_pods: list[FleetPod], h
 
     after_d = await _metrics(http, decode)
     # The decode pod computed only the 5 tokens after the last full block; the rest came over.
-    assert _delta(after_d, before_d, "vllm:prompt_tokens_by_source_total{local_compute}") == 5
-    assert _delta(after_d, before_d, "vllm:prompt_tokens_by_source_total{external_kv_transfer}") == 6 * BLOCK
-    assert _delta(after_d, before_d, "vllm:external_prefix_cache_queries_total") == 101
-    assert _delta(after_d, before_d, "vllm:external_prefix_cache_hits_total") == 6 * BLOCK
-    assert _delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_count") == 1
-    assert _delta(after_d, before_d, "vllm:nixl_bytes_transferred_sum") == 6 * BLOCK * 4096  # tiny: 4 KiB/token
-    assert _delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_sum") > 0
+    assert delta(after_d, before_d, "vllm:prompt_tokens_by_source_total{local_compute}") == 5
+    assert delta(after_d, before_d, "vllm:prompt_tokens_by_source_total{external_kv_transfer}") == 6 * BLOCK
+    assert delta(after_d, before_d, "vllm:external_prefix_cache_queries_total") == 101
+    assert delta(after_d, before_d, "vllm:external_prefix_cache_hits_total") == 6 * BLOCK
+    assert delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_count") == 1
+    assert delta(after_d, before_d, "vllm:nixl_bytes_transferred_sum") == 6 * BLOCK * 4096  # tiny: 4 KiB/token
+    assert delta(after_d, before_d, "vllm:nixl_xfer_time_seconds_sum") > 0
     # The received blocks are in the decode pod's cache now, under the prefill pod's hashes.
     received = await _cached(http, decode) - cached_before
     assert len(received) == 6 and received <= await _cached(http, prefill)
@@ -162,8 +150,8 @@ async def test_two_step_flow_answers_as_one_pod_would(pd_pods: list[FleetPod], h
     async with http.get(f"http://{prefill.address}/sim/kv") as resp:
         assert params["remote_block_ids"] not in (await resp.json())["pinned_block_ids"]
     after_p = await _metrics(http, prefill)
-    assert _delta(after_p, before_p, "vllm:prompt_tokens_by_source_total{local_compute}") == 101
-    assert _delta(after_p, before_p, "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert delta(after_p, before_p, "vllm:prompt_tokens_by_source_total{local_compute}") == 101
+    assert delta(after_p, before_p, "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
 async def test_decode_pods_kv_events_show_the_received_blocks(pd_lines: list[str], http, zmq_ctx) -> None:
@@ -197,10 +185,10 @@ async def test_decode_pod_fetches_only_what_its_own_cache_lacks(pd_pods: list[Fl
     assert status == 200, answer
     assert answer["choices"][0]["text"] == answer_text(prompt, 4)
     after = await _metrics(http, decode)
-    assert _delta(after, before, "vllm:prompt_tokens_by_source_total{local_cache_hit}") == 3 * BLOCK
-    assert _delta(after, before, "vllm:prompt_tokens_by_source_total{external_kv_transfer}") == 4 * BLOCK
-    assert _delta(after, before, "vllm:prompt_tokens_by_source_total{local_compute}") == 2
-    assert _delta(after, before, "vllm:nixl_bytes_transferred_sum") == 4 * BLOCK * 4096
+    assert delta(after, before, "vllm:prompt_tokens_by_source_total{local_cache_hit}") == 3 * BLOCK
+    assert delta(after, before, "vllm:prompt_tokens_by_source_total{external_kv_transfer}") == 4 * BLOCK
+    assert delta(after, before, "vllm:prompt_tokens_by_source_total{local_compute}") == 2
+    assert delta(after, before, "vllm:nixl_bytes_transferred_sum") == 4 * BLOCK * 4096
 
 
 async def test_chat_prefill_answer_carries_the_params_and_streamed_decode_works(pd_pods: list[FleetPod], http) -> None:
@@ -234,9 +222,9 @@ async def test_missing_remote_blocks_fall_back_to_a_local_prefill(pd_pods: list[
     assert answer["choices"][0]["text"] == answer_text(prompt, 3)
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     after = await _metrics(http, decode)
-    assert _delta(after, before, "vllm:nixl_num_failed_transfers_total") == 1
-    assert _delta(after, before, "vllm:prompt_tokens_by_source_total{local_compute}") == len(prompt)
-    assert _delta(after, before, "vllm:nixl_xfer_time_seconds_count") == 0
+    assert delta(after, before, "vllm:nixl_num_failed_transfers_total") == 1
+    assert delta(after, before, "vllm:prompt_tokens_by_source_total{local_compute}") == len(prompt)
+    assert delta(after, before, "vllm:nixl_xfer_time_seconds_count") == 0
 
 
 async def test_bad_kv_transfer_params_get_a_400_with_an_openai_error(pd_pods: list[FleetPod], http) -> None:

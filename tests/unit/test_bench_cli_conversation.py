@@ -40,6 +40,12 @@ def test_flags_shape_the_conversation_workload(tmp_path: Path) -> None:
     assert all(p.session_key is not None for p in workloads.all_prompts(result.sessions))  # no one-offs
 
 
+def test_no_max_tokens_leaves_answer_lengths_unannounced(tmp_path: Path) -> None:
+    assert plan(tmp_path).announce_lengths is True
+    bare = plan(tmp_path, "--no-max-tokens")
+    assert bare.announce_lengths is False and dict(bare.settings)["max_tokens"] is False
+
+
 def test_no_session_keys_sends_the_same_prompts_without_keys(tmp_path: Path) -> None:
     keyed = plan(tmp_path)
     bare = plan(tmp_path, "--no-session-keys")

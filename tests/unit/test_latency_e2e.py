@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from picker.config.loader import parse_text
 from picker.config.runtime import RuntimeHolder
@@ -18,7 +19,7 @@ from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
 from picker.framework.plugin import ProfileRunResult, SchedulingResult
 from picker.framework.request import Api, InferenceRequest, ResponseOutcome, Usage
-from picker.latency.e2e import DecodeLedger, TpotByBatch
+from picker.latency.e2e import DecodeLedger, E2eEstimate, TpotByBatch, e2e_scores
 from picker.latency.plugins import OBSERVED_E2E, PREDICTED_E2E, E2eCostScorer
 from picker.prefix.plugins import TtftCostScorer
 from picker.requestcontrol.director import prepare
@@ -140,16 +141,15 @@ def test_tpot_is_learnt_against_the_batch_and_many_running_decodes_predict_a_lon
     teach(scorer, datastore, clock, FIRST, batch=8, tpot=0.024)
     teach(scorer, datastore, clock, FIRST, batch=1, tpot=0.010)
     teach(scorer, datastore, clock, FIRST, batch=8, tpot=0.024)
-    curve = scorer.tpot.curve(FIRST)
+    curve = scorer.tpot.curve()
     assert curve.per_seq == pytest.approx(0.002, rel=0.05)  # 14 ms more over 7 more sequences
     assert curve.seconds(1) == pytest.approx(0.010, rel=0.05)
-    assert scorer.tpot.curve(THIRD) == scorer.tpot.curve(SECOND)  # no samples of their own: the pool's
     # A non-streamed response (its first byte is its end) and a failed one teach nothing.
     unstreamed = request(stream=False)
     answer(scorer, unstreamed, send(scorer, datastore, FIRST, unstreamed), FIRST, 101, 0.5)
     failed = request()
     scorer.response_complete(failed, send(scorer, datastore, FIRST, failed), ResponseOutcome(FIRST, 500, 0.05, 9.0))
-    assert scorer.tpot.curve(FIRST) == curve
+    assert scorer.tpot.curve() == curve
 
     for _ in range(6):
         send(scorer, datastore, SECOND, request({"max_tokens": 1000}))
@@ -159,6 +159,30 @@ def test_tpot_is_learnt_against_the_batch_and_many_running_decodes_predict_a_lon
     assert idle.mean_batch == pytest.approx(1.0)
     assert busy.seconds > idle.seconds + 400 * (busy.tpot_seconds - idle.tpot_seconds)
     assert busy.harm_seconds > 0.0 == idle.harm_seconds  # the six would decode slower beside it
+
+
+def test_an_endpoint_that_answered_slowly_is_not_predicted_slower_at_the_same_load() -> None:
+    # The pool's servers are alike: slow samples at one endpoint are its load's or noise, and a
+    # line of its own would keep traffic off it (and its line slow) for good.
+    runtime, datastore, scorer, clock = setup()
+    for _ in range(20):
+        teach(scorer, datastore, clock, FIRST, batch=1, tpot=0.020)
+        teach(scorer, datastore, clock, SECOND, batch=1, tpot=0.010)
+    found = predicted(runtime, datastore, scorer, request({"max_tokens": 500}))
+    assert found[FIRST].tpot_seconds == found[SECOND].tpot_seconds == found[THIRD].tpot_seconds
+    assert set(score(runtime, datastore, scorer, request({"max_tokens": 500})).values()) == {1.0}
+
+
+def test_scores_weigh_the_seconds_an_endpoint_costs_beyond_the_cheapest_not_their_ratio() -> None:
+    def costs(*seconds: float) -> list[E2eEstimate]:
+        return [E2eEstimate(s, 0.0, s, 0.0, 1.0, 0.0, 100, 0.0) for s in seconds]
+
+    near_zero = e2e_scores(costs(0.010, 0.050), 1.0)
+    long_decodes = e2e_scores(costs(10.0, 10.04), 1.0)
+    assert near_zero == pytest.approx([1.0, 1 / 1.04])
+    assert long_decodes == pytest.approx(near_zero)
+    assert e2e_scores(costs(2.0, 3.0, 2.5), 1.0) == pytest.approx([1.0, 0.5, 1 / 1.5])
+    assert e2e_scores(costs(2.0, 3.0), 0.5) == pytest.approx([1.0, 1 / 3])
 
 
 def test_a_long_answer_avoids_a_short_queue_whose_batch_is_full_of_long_decodes() -> None:
@@ -192,7 +216,7 @@ def test_a_long_answer_avoids_a_short_queue_whose_batch_is_full_of_long_decodes(
 def test_committed_decode_drains_as_the_pod_generates_and_the_mean_batch_is_over_the_requests_life() -> None:
     clock = Clock()
     tpot = TpotByBatch()
-    tpot.observe(FIRST, 1.0, 0.0, 0.99, 100)  # 10 ms a token
+    tpot.observe(1.0, 0.0, 0.99, 100)  # 10 ms a token
     ledger = DecodeLedger(tpot, clock)
     first = ledger.sent(FIRST, 100, 0)
     clock.now += 0.5
@@ -223,7 +247,7 @@ def test_prefill_sent_to_a_pod_stalls_its_predicted_decode_and_is_taken_out_of_w
     share = 4 * arrivals[0].estimated_prompt_tokens() / prefill_rate
     assert share > 0.05
     answer(scorer, req, result, FIRST, 101, 0.010 / (1 - share), ttft=0.0)
-    assert scorer.tpot.curve(FIRST).seconds(1.0) == pytest.approx(0.010)
+    assert scorer.tpot.curve().seconds(1.0) == pytest.approx(0.010)
     # 20,000 uncached tokens just sent to the second pod: its decodes will wait through them.
     for i in range(8):
         send(
@@ -238,7 +262,7 @@ def test_max_tokens_is_the_expected_output_else_the_sessions_else_the_models() -
     runtime, datastore, scorer, clock = setup(defaultOutputTokens=100, maxOutputTokens=3000)
 
     def expected(body: Mapping[str, Any]) -> int:
-        return scorer.expected(request(body), CycleState())[0]
+        return scorer.expected(request(body), CycleState())[0].tokens
 
     assert expected({"max_tokens": 700}) == 700
     assert expected({"max_completion_tokens": 90}) == 90
@@ -269,16 +293,37 @@ def test_the_observed_completion_is_explained_beside_the_prediction() -> None:
     scorer.score(req, cycle_state, datastore.snapshot())
     result = SchedulingResult({"default": ProfileRunResult((state_of(datastore, FIRST),))}, "default", cycle_state)
     scorer.pre_request(req, result)
+    ratio = {"model_name": req.target_model}
+    by_limit = {"model_name": req.target_model, "source": "max_tokens"}
+    before = [
+        REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
+        for name, labels in (("picker_e2e_prediction_ratio", ratio), ("picker_e2e_output_tokens_ratio", by_limit))
+    ]
+    exact = REGISTRY.get_sample_value("picker_e2e_output_tokens_ratio_bucket", {**by_limit, "le": "1.0"}) or 0.0
     answer(scorer, req, result, FIRST, 50, 0.01)
     observed = cycle_state.explain()[OBSERVED_E2E]
     assert observed["endpoint"] == FIRST and observed["expected_tokens"] == 50 and observed["completion_tokens"] == 50
     assert observed["seconds"] == pytest.approx(0.05 + 49 * 0.01)
     assert observed["predicted_seconds"] == cycle_state.explain()[PREDICTED_E2E][FIRST].seconds
+    # How good the predictions were, as metrics: observed over predicted, answer over expectation.
+    after = [
+        REGISTRY.get_sample_value(f"{name}_count", labels)
+        for name, labels in (("picker_e2e_prediction_ratio", ratio), ("picker_e2e_output_tokens_ratio", by_limit))
+    ]
+    assert after == [b + 1 for b in before]
+    assert REGISTRY.get_sample_value("picker_e2e_output_tokens_ratio_bucket", {**by_limit, "le": "1.0"}) == exact + 1
 
 
 @pytest.mark.parametrize(
     "parameters",
-    [{"harmWeight": -1}, {"maxOutputTokens": 0}, {"defaultOutputTokens": "many"}, {"sessionFields": "user"}, {"x": 1}],
+    [
+        {"harmWeight": -1},
+        {"scaleSeconds": 0},
+        {"maxOutputTokens": 0},
+        {"defaultOutputTokens": "many"},
+        {"sessionFields": "user"},
+        {"x": 1},
+    ],
 )
 def test_bad_parameters_are_refused(parameters: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):

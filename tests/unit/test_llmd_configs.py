@@ -154,6 +154,7 @@ def decisions(decision_type: str) -> float:
 async def test_pd_config_without_threshold_always_prefills_and_clears_a_client_header() -> None:
     d = director((CONFIGS / "pd-epp-config.yaml").read_text(), PREFILL_PODS + DECODE_PODS)
     before = decisions("prefill-decode"), decisions("decode-only")
+    unavailable = REGISTRY.get_sample_value("picker_pd_prefill_unavailable_total") or 0.0
     assert prefill_pick(await route(d, "hi")) in {e.address for e in PREFILL_PODS}
     no_prefill = director((CONFIGS / "pd-epp-config.yaml").read_text(), DECODE_PODS)
     # No prefill pod: decode only (counted so), and a client's own prefill header does not reach the pod.
@@ -161,6 +162,8 @@ async def test_pd_config_without_threshold_always_prefills_and_clears_a_client_h
     assert routed.targets[0] in {e.address for e in DECODE_PODS}
     assert prefill_pick(routed) == ""
     assert (decisions("prefill-decode"), decisions("decode-only")) == (before[0] + 1, before[1] + 1)
+    # ... and counted apart from the requests below the threshold.
+    assert REGISTRY.get_sample_value("picker_pd_prefill_unavailable_total") == unavailable + 1
 
 
 async def test_unlabelled_endpoints_are_decode_pods() -> None:

@@ -75,7 +75,15 @@ def test_picker_e2e_is_picker_best_plus_the_completion_time_cost() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["reference-approx.yaml", "picker-best.yaml", "picker-precise.yaml", "picker-conversation.yaml", "picker-e2e.yaml"],
+    [
+        "reference-approx.yaml",
+        "picker-best.yaml",
+        "picker-precise.yaml",
+        "picker-conversation.yaml",
+        "picker-e2e.yaml",
+        "picker-pd.yaml",
+        "picker-pd-predicted.yaml",
+    ],
 )
 def test_config_show_prints_every_effective_parameter_and_loads_back_the_same(name: str) -> None:
     loaded = build(parse_file(CONFIGS / name))

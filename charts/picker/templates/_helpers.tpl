@@ -3,6 +3,14 @@
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* "true" in standalone mode (no InferencePool: the picker selects the pods itself): picker's
+inferencePool.standalone, or the reference standalone chart's endpointsServer without
+createInferencePool, read as that chart reads it. */}}
+{{- define "picker.standalone" -}}
+{{- $servers := .Values.inferenceExtension.endpointsServer -}}
+{{- if or .Values.inferencePool.standalone (and $servers (not $servers.createInferencePool)) }}true{{ end -}}
+{{- end -}}
+
 {{/* The picker's Deployment, Service, ServiceAccount and ConfigMap name. */}}
 {{- define "picker.name" -}}
 {{- printf "%s-epp" (include "picker.poolName" .) | trunc 63 | trimSuffix "-" -}}
@@ -11,7 +19,7 @@
 {{/* The Deployment's selector: the reference chart's own, so that `helm upgrade` can swap a
 reference release for picker in place (a Deployment's selector cannot change). */}}
 {{- define "picker.selectorLabels" -}}
-{{- if .Values.inferencePool.standalone -}}
+{{- if include "picker.standalone" . -}}
 epp: {{ include "picker.name" . }}
 {{- else -}}
 inferencepool: {{ include "picker.name" . }}
@@ -21,7 +29,7 @@ inferencepool: {{ include "picker.name" . }}
 {{/* The picker's pods: the selector, the reference's mode label and picker's own. */}}
 {{- define "picker.podLabels" -}}
 {{ include "picker.selectorLabels" . }}
-inference.networking.k8s.io/igw-mode: {{ ternary "standalone" "inferencepool" .Values.inferencePool.standalone }}
+inference.networking.k8s.io/igw-mode: {{ ternary "standalone" "inferencepool" (eq (include "picker.standalone" .) "true") }}
 app.kubernetes.io/name: picker
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
@@ -66,21 +74,54 @@ the Makefile in agreement). */}}
 {{- index (splitList "/" .Values.inferencePool.apiVersion) 0 -}}
 {{- end -}}
 
-{{/* label=value,... for --endpoint-selector. */}}
+{{/* label=value,... for --endpoint-selector: in standalone mode endpointsServer.endpointSelector
+(the reference standalone chart's) when set, else inferencePool.modelServers.matchLabels. */}}
 {{- define "picker.endpointSelector" -}}
+{{- $servers := .Values.inferenceExtension.endpointsServer | default dict -}}
+{{- if and (include "picker.standalone" .) $servers.endpointSelector -}}
+{{- $servers.endpointSelector -}}
+{{- else -}}
 {{- $pairs := list -}}
 {{- range $key, $value := .Values.inferencePool.modelServers.matchLabels -}}
 {{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
 {{- end -}}
 {{- join "," $pairs -}}
 {{- end -}}
+{{- end -}}
 
+{{/* The pods' ports, comma-separated: endpointsServer.targetPorts in standalone mode when set (a
+number or "8000,8001", as the reference standalone chart takes it), else inferencePool.targetPorts. */}}
 {{- define "picker.targetPortsCsv" -}}
+{{- $servers := .Values.inferenceExtension.endpointsServer | default dict -}}
+{{- if and (include "picker.standalone" .) (not (kindIs "invalid" $servers.targetPorts)) -}}
+{{- include "picker.flagValue" $servers.targetPorts -}}
+{{- else -}}
 {{- $ports := list -}}
 {{- range .Values.inferencePool.targetPorts -}}
 {{- $ports = append $ports (toString .number) -}}
 {{- end -}}
 {{- join "," $ports -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine (vllm, sglang, ...) and protocol (http, grpc) of the model servers: in standalone mode
+endpointsServer's when set (the reference standalone chart reads them there), else inferencePool's. */}}
+{{- define "picker.modelServerType" -}}
+{{- $servers := .Values.inferenceExtension.endpointsServer | default dict -}}
+{{- if and (include "picker.standalone" .) $servers.modelServerType -}}
+{{- $servers.modelServerType -}}
+{{- else -}}
+{{- .Values.inferencePool.modelServerType | default "vllm" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "picker.modelServerProtocol" -}}
+{{- $servers := .Values.inferenceExtension.endpointsServer | default dict -}}
+{{- if and (include "picker.standalone" .) $servers.modelServerProtocol -}}
+{{- $servers.modelServerProtocol -}}
+{{- else -}}
+{{- .Values.inferencePool.modelServerProtocol | default "http" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The metrics path for the default config: trtllm-serve serves /prometheus/metrics, so the
@@ -88,7 +129,7 @@ default /metrics means that path for it (the reference chart meant the same with
 config then overrode). */}}
 {{- define "picker.metricsPath" -}}
 {{- $path := .Values.inferenceExtension.metricsDataSource.path | default "/metrics" -}}
-{{- if and (eq .Values.inferencePool.modelServerType "trtllm-serve") (eq $path "/metrics") -}}
+{{- if and (eq (include "picker.modelServerType" .) "trtllm-serve") (eq $path "/metrics") -}}
 /prometheus/metrics
 {{- else -}}
 {{- $path -}}
@@ -100,9 +141,9 @@ chart's default-plugins.yaml (v1.5.0), data layer, parser and latency-predictor 
 (the plugins only: picker predicts latency itself, without the reference's sidecars). */}}
 {{- define "picker.defaultPlugins" -}}
 {{- $source := .Values.inferenceExtension.metricsDataSource -}}
-{{- $engine := .Values.inferencePool.modelServerType | default "vllm" -}}
+{{- $engine := include "picker.modelServerType" . -}}
 {{- $parser := .Values.inferencePool.parser -}}
-{{- if and (eq (lower $engine) "vllm") (eq (.Values.inferencePool.modelServerProtocol | default "http") "grpc") -}}
+{{- if and (eq (lower $engine) "vllm") (eq (include "picker.modelServerProtocol" .) "grpc") -}}
 {{- $parser = "vllmgrpc-parser" -}}
 {{- end -}}
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -192,7 +233,62 @@ earlier serviceMonitor.enabled). */}}
 {{- if and $pool.targetPortNumber (ne (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- fail (printf "inferencePool.targetPortNumber (%d, the legacy single port) differs from targetPorts[0] (%d): set targetPorts only" (int $pool.targetPortNumber) (int (index $pool.targetPorts 0).number)) -}}
 {{- end -}}
-{{- if and $ie.sidecar.enabled (or (not $ie.sidecar.name) (not $ie.sidecar.image)) -}}
+{{- if include "picker.shippedEnvoy" . -}}
+{{- if or (not $ie.secureServing) (ne (int $ie.extProcPort) 9002) -}}
+{{- fail "inferenceExtension.sidecar: the shipped Envoy config reaches the picker at 127.0.0.1:9002 over TLS: keep extProcPort 9002 and secureServing true, or give the sidecar's name, image and configMap" -}}
+{{- end -}}
+{{- else if and $ie.sidecar.enabled (or (not $ie.sidecar.name) (not $ie.sidecar.image)) -}}
 {{- fail "inferenceExtension.sidecar: name and image are required when enabled" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the sidecar is enabled with neither name nor image: the pod then runs Envoy with
+the project's shipped config (envoy/gateway.yaml, which manifests/envoy/gateway.yaml links to),
+clients on port 8081, routed by the picker over localhost. */}}
+{{- define "picker.shippedEnvoy" -}}
+{{- $sidecar := .Values.inferenceExtension.sidecar -}}
+{{- if and $sidecar.enabled (not $sidecar.name) (not $sidecar.image) }}true{{ end -}}
+{{- end -}}
+
+{{/* The shipped Envoy sidecar's settings; sidecar values given beside `enabled` override them. The
+image is the Envoy release the tests run the config with (tests/e2e/test_chart_standalone.py). */}}
+{{- define "picker.shippedEnvoySidecar" -}}
+{{- $files := printf "%s-envoy" (include "picker.name" .) | trunc 63 | trimSuffix "-" -}}
+name: envoy
+image: docker.io/envoyproxy/envoy:distroless-v1.40.0
+command: envoy
+args: ["--log-level", "warn", "--drain-strategy", "immediate", "-c", "/etc/envoy/envoy.yaml"]
+ports:
+- name: http
+  containerPort: 8081
+readinessProbe:
+  tcpSocket:
+    port: 8081
+  periodSeconds: 5
+resources:
+  requests:
+    cpu: 100m
+    memory: 128Mi
+volumeMounts:
+- name: envoy-config
+  mountPath: /etc/envoy
+  readOnly: true
+volumes:
+- name: envoy-config
+  configMap:
+    name: {{ $files }}
+configMap:
+  name: {{ $files }}
+  data:
+    envoy.yaml: {{ .Files.Get "envoy/gateway.yaml" | quote }}
+{{- end -}}
+
+{{/* The sidecar in use, as JSON: the values' own, or the shipped Envoy under them. */}}
+{{- define "picker.sidecar" -}}
+{{- $sidecar := .Values.inferenceExtension.sidecar -}}
+{{- if include "picker.shippedEnvoy" . -}}
+{{- mergeOverwrite (include "picker.shippedEnvoySidecar" . | fromYaml) (deepCopy $sidecar) | toJson -}}
+{{- else -}}
+{{- $sidecar | toJson -}}
 {{- end -}}
 {{- end -}}

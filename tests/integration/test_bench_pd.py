@@ -1,0 +1,82 @@
+"""A P/D picker system of `picker bench` on a `--pd 1:1` fleet: real `picker sim` pods, Envoy, the
+picker with a P/D config and llm-d's pd-sidecar in front of the decode pod."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from picker_bench import workloads
+from picker_bench.loadgen import LoadOptions, run_load
+from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDECAR = Path.home() / ".cache/picker/bin/pd-sidecar-v0.4.0"
+# Documents far above the config's 8192-character threshold, chat prompts far below it.
+SPEC = workloads.PdMixSpec(
+    long_share=0.5,
+    document_len=2500,
+    long_output_len=12,
+    applications=1,
+    system_prompt_len=48,
+    question_len=16,
+    output_len=6,
+)
+
+pytestmark = pytest.mark.skipif(not SIDECAR.exists(), reason=f"llm-d's pd-sidecar not built at {SIDECAR}")
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Launcher]:
+    started = Launcher(tmp_path / "logs", tmp_path / "pids")
+    started.log_dir.mkdir()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def prompt_tokens_by_source(pod: FleetPod) -> dict[str, float]:
+    """The pod's vLLM `prompt_tokens_by_source` counter, by source."""
+    with urllib.request.urlopen(f"http://{pod.address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        sample.labels["source"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prompt_tokens_by_source_total"
+    }
+
+
+def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(launcher: Launcher) -> None:
+    fleet = FleetOptions(pods=2, prefill_pods=1, profile="tiny", num_gpu_blocks=2048, max_model_len=8192)
+    _, pods = start_fleet(fleet, launcher, "pd")
+    prefill, decode = pods
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    (spec,) = parse_systems(["picker:pd"], {"pd": ROOT / "manifests/configs/picker-pd.yaml"}, pd_sidecar=SIDECAR)
+    gateway = start_system(spec, pods, launcher, "pd")
+    sessions = workloads.pd_mix(SPEC, rate=8, duration_s=2, seed=1)
+    prompts = list(workloads.all_prompts(sessions))
+    documents = [p for p in prompts if p.max_tokens == SPEC.long_output_len]
+    assert documents and len(documents) < len(prompts)
+
+    results = asyncio.run(run_load(sessions, LoadOptions(gateway.url, fleet.model, drain_timeout_s=20)))
+
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert {r.pod for r in results} == {decode.name}  # every answer decoded on the decode pod
+    assert sorted(r.output_tokens for r in results) == sorted(p.max_tokens for p in prompts)
+    # The prefill pod computed exactly the documents (each new to it), none of the chat prompts:
+    # they are below the threshold and were prefilled where they decoded.
+    at_prefill = prompt_tokens_by_source(prefill)
+    assert at_prefill.get("local_compute") == sum(len(p.token_ids()) for p in documents)
+    # The decode pod received the documents' full blocks instead of computing them.
+    at_decode = prompt_tokens_by_source(decode)
+    full_blocks = sum(len(p.token_ids()) // fleet.block_size * fleet.block_size for p in documents)
+    assert at_decode.get("external_kv_transfer") == full_blocks
+    # ... and saw every prompt: computed, found cached, or received.
+    assert sum(at_decode.values()) == sum(len(p.token_ids()) for p in prompts)
