@@ -634,7 +634,13 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         explain = result.cycle_state.explain()
         predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
         if predicted is not None and predicted.seconds > 0.0:
-            E2E_PREDICTION_RATIO.labels(request.target_model).observe(outcome.duration_seconds / predicted.seconds)
+            ratio = E2E_PREDICTION_RATIO.labels
+            ratio(request.target_model, "total").observe(outcome.duration_seconds / predicted.seconds)
+            if ttft is not None and predicted.ttft_seconds > 0.0 and predicted.decode_seconds > 0.0:
+                ratio(request.target_model, "ttft").observe(ttft / predicted.ttft_seconds)
+                ratio(request.target_model, "decode").observe(
+                    (outcome.duration_seconds - ttft) / predicted.decode_seconds
+                )
         explain[OBSERVED_E2E] = {
             "endpoint": sent.address,
             "seconds": outcome.duration_seconds,

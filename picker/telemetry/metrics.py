@@ -328,9 +328,9 @@ STATE_STORE_CONNECTED = Gauge(
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 E2E_PREDICTION_RATIO = Histogram(
     "picker_e2e_prediction_ratio",
-    "Per request routed by e2e-cost-scorer: its observed completion time over the time predicted "
-    "at the chosen endpoint (1 = exact).",
-    ("model_name",),
+    "Per request routed by e2e-cost-scorer: observed over predicted at the chosen endpoint (1 = exact), "
+    "for the completion time (part=total) and, for streamed responses, its first token (ttft) and the rest (decode).",
+    ("model_name", "part"),
     buckets=_RATIO_BUCKETS,
 )
 E2E_OUTPUT_TOKENS_RATIO = Histogram(

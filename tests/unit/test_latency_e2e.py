@@ -293,7 +293,7 @@ def test_the_observed_completion_is_explained_beside_the_prediction() -> None:
     scorer.score(req, cycle_state, datastore.snapshot())
     result = SchedulingResult({"default": ProfileRunResult((state_of(datastore, FIRST),))}, "default", cycle_state)
     scorer.pre_request(req, result)
-    ratio = {"model_name": req.target_model}
+    ratio = {"model_name": req.target_model, "part": "total"}
     by_limit = {"model_name": req.target_model, "source": "max_tokens"}
     before = [
         REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
