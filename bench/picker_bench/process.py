@@ -53,11 +53,14 @@ def http_ok(url: str) -> bool:
 class ManagedProcess:
     """A daemon in its own session, logged to a file, stopped by PID (and its group)."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_dir) / f"{name}.log"
         self.env = env
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ManagedProcess:
@@ -69,6 +72,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
+                cwd=self.cwd,
                 start_new_session=True,
             )
         return self

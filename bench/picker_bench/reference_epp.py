@@ -1,9 +1,9 @@
 """The reference EPP (v1.5.0's `epp` binary) run beside the picker, for side-by-side benchmarks.
 
 It reads its endpoints only from a Kubernetes API, so this starts a real one (etcd +
-kube-apiserver, `picker_bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and one
-Pod whose status says Running and Ready at a local IP: the pool's target ports are the backend's
-ports, one endpoint each (at most 8, the CRD's limit). Its standalone mode
+kube-apiserver, `picker_bench.kube_cluster`) with the project's CRDs, an InferencePool v1 and a
+Pod per backend address whose status says Running and Ready at that IP: the pool's target ports
+are the backends' ports, one endpoint per Pod and port (at most 8 ports, the CRD's limit). Its standalone mode
 (`--endpoint-selector`) cannot start in v1.5.0: it requires a pool name that its flag
 validation forbids.
 
@@ -11,6 +11,9 @@ The binary is a build of the Go module `sigs.k8s.io/gateway-api-inference-extens
 whose source tree (charts, docs, test data) the tests also read as an oracle:
 `reference_epp_binary()` builds it once into the binary cache; `python -m picker_bench.reference_epp`
 does so and prints its path.
+
+llm-d's scheduler (`picker_bench.llmd.llmd_epp_binary()`) is a GIE runner with llm-d's plugins
+and runs the same way; `picker_bench.llmd_epp` says what else it needs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kubernetes import client
@@ -57,13 +60,17 @@ def start_reference_epp(
     *,
     config_file: Path | None = None,
     name: str = "reference-epp",
+    role: str = "reference-epp",
     metrics_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
     on_spawn: Callable[[int, str], None] | None = None,
 ) -> ManagedProcess:
-    """The reference `epp` for pool namespace/name, with `kubeconfig`'s credentials, serving
-    ext_proc on `grpc_port`; returns once its health service says SERVING. `config_file` is its
-    EndpointPickerConfig (None: its built-in default); `on_spawn(pid, "reference-epp")` hears of
-    the process the moment it exists."""
+    """The reference `epp` (or an EPP built on it, as llm-d's, with `extra_args`) for pool
+    namespace/name, with `kubeconfig`'s credentials, serving ext_proc on `grpc_port`; returns once
+    its health service says SERVING. `config_file` is its EndpointPickerConfig (None: its
+    built-in default); `on_spawn(pid, role)` hears of the process the moment it exists."""
     health = free_port()
     argv = [
         str(binary),
@@ -83,15 +90,16 @@ def start_reference_epp(
         "--enable-pprof=false",
         "--tracing=false",
         "--metrics-endpoint-auth=false",
+        *extra_args,
     ]
     # Its metric names need no flags (v1.5.0 refuses the old ones): the built-in vLLM engine
     # config reads vllm:num_requests_waiting and vllm:kv_cache_usage_perc, as the sim serves.
     if config_file is not None:
         argv += ["--config-file", str(config_file)]
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    process = ManagedProcess(name, argv, log_dir, env=env).start()
+    env = {**os.environ, **(extra_env or {}), "KUBECONFIG": str(kubeconfig)}
+    process = ManagedProcess(name, argv, log_dir, env=env, cwd=cwd).start()
     if on_spawn is not None:
-        on_spawn(process.pid, "reference-epp")
+        on_spawn(process.pid, role)
     process.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
     return process
 
@@ -108,30 +116,43 @@ def reference_epp_binary() -> Path:
 
 
 class ReferenceEpp:
-    """The control plane and the reference EPP over it; `start()` returns once it serves.
+    """The control plane and the reference EPP (or one built on it, as llm-d's) over it;
+    `start()` returns once it serves.
 
-    `config_file` is its EndpointPickerConfig (None: its built-in default); `on_spawn(pid, role)`
-    hears of every process started ("etcd", "kube-apiserver", "reference-epp") the moment it exists;
-    `name` names the EPP's log file.
+    The pool's endpoints are one Pod per address in `hosts`, each with every port in `ports`
+    (the InferencePool's target ports): one address with a port per backend, or one address per
+    backend at one port (IP-keyed schedulers such as llm-d's precise one tell pods apart only so).
+    `config_file` is its EndpointPickerConfig (None: its built-in default); `extra_args`,
+    `extra_env` and `cwd` are for EPPs that need more; `on_spawn(pid, role)` hears of every
+    process started ("etcd", "kube-apiserver", `role`) the moment it exists; `name` names the
+    EPP's log file.
     """
 
     def __init__(
         self,
         binary: Path,
-        host: str,
+        hosts: Sequence[str],
         ports: list[int],
         tls: bool,
         log_dir: Path,
         config_file: Path | None = None,
         name: str = "reference-epp",
         on_spawn: Callable[[int, str], None] | None = None,
+        *,
+        role: str = "reference-epp",
+        extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         if not os.access(binary, os.X_OK):
-            raise FileNotFoundError(f"--reference-epp {binary}: not an executable file")
+            raise FileNotFoundError(f"--{role} {binary}: not an executable file")
         if not 1 <= len(ports) <= MAX_TARGET_PORTS:
             raise ValueError(f"the reference EPP takes 1 to {MAX_TARGET_PORTS} target ports, not {len(ports)}")
-        self.binary, self.host, self.ports, self.tls, self.log_dir = binary, host, ports, tls, log_dir
-        self.config_file, self.name, self.on_spawn = config_file, name, on_spawn
+        if not hosts or len(set(hosts)) != len(hosts):
+            raise ValueError(f"the pool's Pods need distinct addresses, not {list(hosts)}")
+        self.binary, self.hosts, self.ports, self.tls, self.log_dir = binary, list(hosts), ports, tls, log_dir
+        self.config_file, self.name, self.on_spawn, self.role = config_file, name, on_spawn, role
+        self.extra_args, self.extra_env, self.cwd = list(extra_args), dict(extra_env or {}), cwd
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.cluster: KubeCluster | None = None
         self.process: ManagedProcess | None = None
@@ -146,8 +167,10 @@ class ReferenceEpp:
             apply_manifests(api, crds)
             wait_crds_established(api, [crd.stem for crd in crds])
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
-            create_pod(api, NAMESPACE, "bench-backend", POD_LABELS)
-            set_pod_ready(api, NAMESPACE, "bench-backend", self.host)
+            for i, host in enumerate(self.hosts):
+                pod = "bench-backend" if len(self.hosts) == 1 else f"bench-backend-{i}"
+                create_pod(api, NAMESPACE, pod, POD_LABELS)
+                set_pod_ready(api, NAMESPACE, pod, host)
         started = time.monotonic()
         self.process = start_reference_epp(
             self.binary,
@@ -159,7 +182,11 @@ class ReferenceEpp:
             self.log_dir,
             config_file=self.config_file,
             name=self.name,
+            role=self.role,
             metrics_port=self.metrics_port,
+            extra_args=self.extra_args,
+            extra_env=self.extra_env,
+            cwd=self.cwd,
             on_spawn=self.on_spawn,
         )
         self.startup_seconds = time.monotonic() - started

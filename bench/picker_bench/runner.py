@@ -26,6 +26,7 @@ from picker_bench.systems import (
     SystemSpec,
     start_fleet,
     start_system,
+    system_fleet,
 )
 from picker_bench.workloads import Prompt, Session
 from picker_sim.engine import answer_ids
@@ -221,8 +222,9 @@ def serve_load(
     """Start a cold fleet and the system in front of it (the caller stops them), play `sessions`
     through it with a live progress line under `label`; every request's result and the system's
     final metrics page (`Gateway.metrics_page`)."""
+    fleet = system_fleet(spec, fleet)
     _, pods = start_fleet(fleet, launcher, tag)
-    gateway = start_system(spec, pods, launcher, tag, objectives)
+    gateway = start_system(spec, pods, launcher, tag, objectives, fleet)
     options = LoadOptions(
         gateway.url,
         fleet.model,

@@ -14,16 +14,16 @@ exists and stops everything it started, newest first, however the run ends.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import re
 import shutil
 import signal
 import sys
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import yaml
 from kubernetes import client
@@ -32,6 +32,15 @@ from picker.disaggregation.handlers import PdProfileHandler
 from picker.scheduling.labels import ROLE_DECODE, ROLE_LABEL
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
 from picker_bench.llmd import PdSidecar
+from picker_bench.llmd_epp import (
+    APPROXIMATE_CONFIG,
+    llmd_config,
+    llmd_env,
+    llmd_flags,
+    precise_config,
+    precise_hash_seed,
+    write_builtin_tokenizer,
+)
 from picker_bench.process import ManagedProcess, free_port, http_ok, port_open
 from picker_bench.reference_epp import ReferenceEpp
 
@@ -43,7 +52,8 @@ ROUTER_POLICIES = {
     "sglang-round-robin": ("sglang", "round_robin"),
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
 }
-KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, "reference-epp", "external")
+EPP_KINDS = ("reference-epp", "llmd", "llmd-precise")  # EPP binaries run over a throwaway control plane
+KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, *EPP_KINDS, "external")
 # picker[:LABEL]@N[+store]: N replicas behind one Envoy, sharing state through a redis-server
 REPLICAS = re.compile(r"@(?P<replicas>\d+)(?P<store>\+store)?$")
 MAX_REPLICAS = 16
@@ -55,8 +65,9 @@ class SystemSpec:
 
     name: str  # e.g. "round-robin", "picker:approx", "external:http://10.0.0.1:8080"
     kind: str
-    config_file: Path | None = None  # picker and reference-epp systems (None: the default config)
-    binary: Path | None = None  # reference-epp: the EPP binary
+    config_file: Path | None = None  # picker and EPP systems (None: the default config)
+    binary: Path | None = None  # EPP systems: the EPP binary
+    log_verbosity: int | None = None  # EPP systems: its -v (None: its default; 4 logs every pick's scores)
     url: str | None = None  # external systems
     replicas: int = 1  # picker systems: picker processes behind one Envoy
     shared_state: bool = False  # picker systems: the replicas share state through a redis-server
@@ -69,11 +80,17 @@ def parse_systems(
     picker_configs: dict[str, Path],
     reference_epp: Path | None = None,
     reference_config: Path | None = None,
+    llmd_epp: Path | None = None,
+    llmd_config: Path | None = None,
+    epp_log_verbosity: int | None = None,
     pd_sidecar: Path | None = None,
 ) -> list[SystemSpec]:
     """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file;
     `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default);
-    a picker config with a `pd-profile-handler` reaches decode pods through `pd_sidecar`."""
+    `llmd` runs llm-d's binary `llmd_epp` with `llmd_config` (None: llm-d's approximate sample)
+    and `llmd-precise` with its precise-prefix-cache sample (`picker_bench.llmd_epp`); EPPs log at
+    `epp_log_verbosity`; a picker config with a `pd-profile-handler` reaches decode pods through
+    `pd_sidecar`."""
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
@@ -112,7 +129,12 @@ def parse_systems(
         elif kind == "reference-epp":
             if reference_epp is None:
                 raise ValueError(f"{name!r}: no --reference-epp PATH (the reference EPP's binary) given")
-            specs.append(SystemSpec(name, kind, reference_config, binary=reference_epp))
+            specs.append(SystemSpec(name, kind, reference_config, reference_epp, epp_log_verbosity))
+        elif kind in ("llmd", "llmd-precise"):
+            if llmd_epp is None:
+                raise ValueError(f"{name!r}: no --llmd-epp PATH (llm-d's scheduler binary) given")
+            config = llmd_config if kind == "llmd" else None
+            specs.append(SystemSpec(name, kind, config, llmd_epp, epp_log_verbosity))
         else:
             specs.append(SystemSpec(name, kind))
     if len({s.name for s in specs}) != len(specs):
@@ -191,6 +213,9 @@ class FleetOptions:
     max_num_batched_tokens: int | None = None
     max_model_len: int = 32768
     base_port: int = 0  # 0 = free ports; fixed ports let an external gateway point at the fleet
+    distinct_hosts: bool = False  # pod i on 127.0.0.(1+i), all at one port
+    kv_events_endpoint: str | None = None  # every pod connects its publisher here (None: each binds its own)
+    hash_seed: str | None = None  # the engines' block-hash seed (None: the sim's default)
     prefill_pods: int = 0  # P/D fleets: the first this many of `pods` prefill, the rest decode
 
     def argv(self) -> list[str]:
@@ -220,9 +245,15 @@ class FleetOptions:
             str(self.max_model_len),
             "--tokenizer",
             "builtin",
-            "--kv-events-base-port",
-            "0",  # every system gets the same fleet; only the precise scorer listens
         ]
+        if self.kv_events_endpoint:
+            argv += ["--kv-events-endpoint", self.kv_events_endpoint]
+        else:
+            argv += ["--kv-events-base-port", "0"]  # every system gets the same fleet; only precise scorers listen
+        if self.distinct_hosts:
+            argv.append("--distinct-hosts")
+        if self.hash_seed is not None:
+            argv += ["--hash-seed", self.hash_seed]
         if self.num_gpu_blocks:
             argv += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
         if self.max_num_batched_tokens:
@@ -253,6 +284,8 @@ class FleetPod:
 
 def start_fleet(options: FleetOptions, launcher: Launcher, tag: str) -> tuple[ManagedProcess, list[FleetPod]]:
     """Start a cold `picker sim` fleet; return it and its pods."""
+    if options.distinct_hosts and not options.base_port:
+        options = replace(options, base_port=free_port())  # one port for every address: the pool's target port
     sim = launcher.start(ManagedProcess(f"sim-{tag}", options.argv(), launcher.log_dir))
     sim.wait_ready(lambda: "ready" in _lines(sim.log_path), timeout=60)
     pods = [FleetPod.parse(line) for line in _lines(sim.log_path) if line.startswith("pod ")]
@@ -289,8 +322,8 @@ class Gateway:
     metrics_urls: tuple[str, ...] = ()
 
     def metrics_page(self) -> str | None:
-        """Every picker replica's /metrics page, joined; None without pickers or when one
-        cannot be read."""
+        """Its EPPs' /metrics pages (every picker replica's, or the reference's or llm-d's), joined;
+        None without an EPP or when one cannot be read."""
         pages = []
         try:
             for url in self.metrics_urls:
@@ -313,16 +346,30 @@ def start_sidecars(binary: Path, pods: Sequence[FleetPod], launcher: Launcher, t
         sidecar = PdSidecar(binary, vllm_port, launcher.log_dir, f"pd-sidecar-{tag}-{pod.name}")
         launcher.start(sidecar.process)
         sidecar.wait_ready()
-        fronted.append(dataclasses.replace(pod, address=sidecar.address))
+        fronted.append(replace(pod, address=sidecar.address))
     return fronted
 
 
+def system_fleet(spec: SystemSpec, fleet: FleetOptions) -> FleetOptions:
+    """The fleet `spec` runs on: `fleet`, except that llm-d's precise scorer binds the socket every
+    engine connects its KV-event publisher to, and reads hashes seeded as its config says."""
+    if spec.kind != "llmd-precise":
+        return fleet
+    return replace(fleet, kv_events_endpoint=f"tcp://{HOST}:{free_port()}", hash_seed=precise_hash_seed())
+
+
 def start_system(
-    spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str, objectives: Path | None = None
+    spec: SystemSpec,
+    pods: Sequence[FleetPod],
+    launcher: Launcher,
+    tag: str,
+    objectives: Path | None = None,
+    fleet: FleetOptions | None = None,
 ) -> Gateway:
-    """Start `spec` in front of `pods` and wait until it accepts requests; a picker reads the
-    workload's InferenceObjectives (priorities) from `objectives`; a disaggregated picker system
-    reaches the decode pods through its `pd_sidecar`s."""
+    """Start `spec` in front of `pods` (started as `fleet`, `system_fleet`'s) and wait until it
+    accepts requests; a picker reads the workload's InferenceObjectives (priorities) from
+    `objectives`; a disaggregated picker system reaches the decode pods through its
+    `pd_sidecar`s."""
     log_dir = launcher.log_dir
     backends = [pod.address for pod in pods]
     admin = (HOST, free_port())
@@ -358,14 +405,16 @@ def start_system(
         launcher.start(envoy)
         envoy.wait_ready(envoy.ready)
         return Gateway(envoy.url, tuple(url for _, url in started))
-    if spec.kind == "reference-epp":
-        assert spec.binary is not None
-        reference = start_reference_epp(spec.binary, spec.config_file, pods, launcher, tag)
-        config = picker_config("duplex", listen, (HOST, reference.grpc_port), admin, tls=False)
+    if spec.kind in EPP_KINDS:
+        fleet = fleet or FleetOptions(pods=len(pods))
+        epp = start_epp(spec, fleet, pods, launcher, tag)
+        config = picker_config("duplex", listen, (HOST, epp.grpc_port), admin, tls=False)
         envoy = EnvoyProcess(f"envoy-{tag}", config, log_dir)
         launcher.start(envoy)
         envoy.wait_ready(envoy.ready)
-        return Gateway(envoy.url, (reference.metrics_url,))
+        if spec.kind == "llmd-precise":
+            warm_up(envoy.url, fleet.model)
+        return Gateway(envoy.url, (epp.metrics_url,))
     if spec.kind in ROUTER_POLICIES:
         router, policy = ROUTER_POLICIES[spec.kind]
         port, prometheus = listen[1], free_port()
@@ -396,6 +445,19 @@ def start_system(
     return Gateway(spec.url)
 
 
+def warm_up(url: str, model: str, timeout: float = 120) -> None:
+    """One chat request shorter than a KV block (so no engine caches anything of it) through the
+    gateway at `url`, answered: llm-d's precise scorer imports transformers into its embedded
+    Python at its first chat request, seconds of CPU that would otherwise stall the first
+    requests of a short run."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        response.read()
+
+
 def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[int, str]:
     """One `picker serve` with `flags` on free ports, started and ready: its ext_proc port and
     its metrics URL."""
@@ -408,31 +470,58 @@ def start_picker(launcher: Launcher, name: str, flags: Sequence[str]) -> tuple[i
     return grpc, metrics_url
 
 
-def start_reference_epp(
-    binary: Path, config_file: Path | None, pods: Sequence[FleetPod], launcher: Launcher, tag: str
-) -> ReferenceEpp:
-    """The reference EPP over its own control plane, started and serving: one Pod at the fleet's
-    IP whose InferencePool's target ports are the pods' ports."""
+def pool_addresses(pods: Sequence[FleetPod]) -> tuple[list[str], list[int]]:
+    """The InferencePool's Pod addresses and target ports for `pods`: one address with a port per
+    pod, or one address per pod at one port (`--distinct-hosts`)."""
     hosts_ports = [pod.address.rpartition(":") for pod in pods]
-    hosts = {host for host, _, _ in hosts_ports}
-    if len(hosts) != 1:
-        raise RuntimeError(f"the reference EPP needs the fleet on one IP (one Pod, a port per sim pod), not {hosts}")
-    ports = [int(port) for _, _, port in hosts_ports]
-    reference = ReferenceEpp(
-        binary,
-        hosts.pop(),
+    hosts = list(dict.fromkeys(host for host, _, _ in hosts_ports))
+    ports = list(dict.fromkeys(int(port) for _, _, port in hosts_ports))
+    if (len(hosts) == 1 and len(ports) == len(pods)) or (len(ports) == 1 and len(hosts) == len(pods)):
+        return hosts, ports
+    raise RuntimeError(f"an EPP needs the fleet on one IP (a port per pod) or an IP per pod at one port, not {pods}")
+
+
+def start_epp(
+    spec: SystemSpec, fleet: FleetOptions, pods: Sequence[FleetPod], launcher: Launcher, tag: str
+) -> ReferenceEpp:
+    """The reference EPP or llm-d's over its own control plane, started and serving: the
+    fleet's pods as Pods of an InferencePool (`pool_addresses`); llm-d's as `llmd_epp` says."""
+    assert spec.binary is not None
+    hosts, ports = pool_addresses(pods)
+    config_file, role = spec.config_file, "reference-epp"
+    verbosity = [] if spec.log_verbosity is None else [f"--v={spec.log_verbosity}"]
+    llmd: dict[str, Any] = {"extra_args": verbosity}
+    if spec.kind in ("llmd", "llmd-precise"):
+        role = "llmd-epp"
+        llmd = {"extra_args": [*verbosity, *llmd_flags()], "extra_env": llmd_env()}
+        if spec.kind == "llmd" and config_file is None:
+            config_file = llmd_config(APPROXIMATE_CONFIG)
+    if spec.kind == "llmd-precise":
+        if len(hosts) != len(pods) or fleet.kv_events_endpoint is None:
+            raise RuntimeError("llmd-precise keys engines by IP: it needs --distinct-hosts (one address per pod)")
+        workdir = launcher.log_dir / f"llmd-{tag}"
+        write_builtin_tokenizer(workdir / fleet.model)
+        config_file = workdir / "precise-prefix-cache-config.yaml"
+        precise = precise_config(fleet.block_size, fleet.kv_events_endpoint, fleet.model)
+        config_file.write_text(yaml.safe_dump(precise, sort_keys=False))
+        llmd["cwd"] = workdir  # its embedded Python finds the chat template at ./<model>
+    epp = ReferenceEpp(
+        spec.binary,
+        hosts,
         ports,
         tls=False,
         log_dir=launcher.log_dir,
         config_file=config_file,
-        name=f"reference-epp-{tag}",
-        on_spawn=lambda pid, role: launcher.record(pid, f"{role}-{tag}"),
+        name=f"{role}-{tag}",
+        on_spawn=lambda pid, process: launcher.record(pid, f"{process}-{tag}"),
+        role=role,
+        **llmd,
     )
-    launcher.hold(reference)
+    launcher.hold(epp)
     try:
-        return reference.start()
+        return epp.start()
     except client.ApiException as e:  # the API server refused an object: a failed system, not a crash
-        raise RuntimeError(f"the reference EPP's control plane: {e}") from None
+        raise RuntimeError(f"the {role}'s control plane: {e}") from None
 
 
 def start_redis(launcher: Launcher, tag: str) -> str:
