@@ -76,7 +76,7 @@ demo: $(DEMO_STAMP) $(CORE_STAMP)
 
 # The full comparison BENCHMARKS.md reports (about an hour on 2 cores).
 SYSTEMS := round-robin,least-request,picker,picker:best,sglang-cache-aware,sglang-round-robin,vllm-router-cache-aware
-BENCH_CONFIGS := --picker-config best=manifests/configs/picker-best.yaml
+BENCH_CONFIGS := --picker-config best=picker/config/builtin/picker-best.yaml
 bench: install
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload shared-prefix --duration 60 --out bench-out/shared-prefix
 	$(BIN)/picker bench --systems $(SYSTEMS) $(BENCH_CONFIGS) --workload multi-turn --duration 60 --out bench-out/multi-turn

@@ -2,7 +2,8 @@
 
 `show` prints the effective config as YAML, the loader's notes first as comments (so the output
 still loads); `--live` asks a running picker's metrics port (`GET /config`) for the config in
-force, with where it came from, its hash and when it was loaded.
+force, with where it came from, its hash and when it was loaded. FILE may name a built-in config
+(`picker-best.yaml`): picker/config/builtin_configs.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from picker.config.builtin_configs import resolve_config_path
 from picker.config.loader import build, default_config, parse_file, parse_text, to_yaml
 from picker.config.schema import ConfigError, EndpointPickerConfig
 
@@ -28,10 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="picker config", description="Validate or show an EndpointPickerConfig.")
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="check a config file; prints 'valid' or the errors")
-    validate.add_argument("file")
+    validate.add_argument("file", help="a config file, or a built-in config's name (picker-best.yaml, ...)")
     show = commands.add_parser("show", help="print the effective config with every default filled in")
     source = show.add_mutually_exclusive_group()
-    source.add_argument("--config-file", help="config file (default: the built-in default config)")
+    source.add_argument(
+        "--config-file",
+        help="config file, or a built-in config's name such as picker-best.yaml (default: the reference default)",
+    )
     source.add_argument("--config-text", help="config as inline YAML")
     source.add_argument(
         "--live",
@@ -79,9 +84,9 @@ def main(argv: list[str]) -> int:
     try:
         config: EndpointPickerConfig
         if args.command == "validate":
-            config = parse_file(args.file)
+            config = parse_file(resolve_config_path(args.file))
         elif args.config_file:
-            config = parse_file(args.config_file)
+            config = parse_file(resolve_config_path(args.config_file))
         elif args.config_text:
             config = parse_text(args.config_text)
         else:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+from picker.config.builtin_configs import resolve_config_path
 from picker.config.schema import ConfigError
 from picker.datalayer.plugins import ScrapeSettings
 from picker.discovery.static import EndpointListError
@@ -256,7 +257,8 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
             config_map=args.config_map,
         ),
         scheduling=SchedulingOptions(
-            config_file=args.config_file,
+            # a built-in config's name becomes its file here, so loading and watching read a path
+            config_file=str(resolve_config_path(args.config_file)) if args.config_file else None,
             config_text=args.config_text,
             objectives_file=args.objectives_file,
             max_body_bytes=args.max_body_bytes,
@@ -439,7 +441,10 @@ def _add_endpoint_flags(src: argparse._ArgumentGroup) -> None:
 
 def _add_scheduling_flags(cfg: argparse._ArgumentGroup) -> None:
     """The EndpointPickerConfig and what requests may carry."""
-    cfg.add_argument("--config-file", help="The path to the configuration file (hot-reloaded).")
+    cfg.add_argument(
+        "--config-file",
+        help="The path to the configuration file (hot-reloaded), or a built-in config's name (picker-best.yaml, ...).",
+    )
     cfg.add_argument("--config-text", help="The configuration specified as text, in lieu of a file.")
     cfg.add_argument("--objectives-file", help="InferenceObjectives (priorities) when not read from Kubernetes")
     cfg.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body cap (413 above)")

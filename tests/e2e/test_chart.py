@@ -5,6 +5,7 @@ controllers run, so the install creating every object is the check)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from picker.config.builtin_configs import BUILTIN_DIR, builtin_names
 from picker.config.loader import build, parse_text
+from picker.serve.flags import build_parser, serve_options
 from tests.e2e.charts import (
     by_kind,
     chart_image,
@@ -533,6 +536,58 @@ def test_rbac_is_least_privilege_for_each_mode(helm_binary, helm_env, tmp_path) 
     assert [r["apiGroups"] for r in legacy if r["resources"] == ["inferencepools"]] == [
         ["inference.networking.x-k8s.io"]
     ]
+
+
+def test_a_built_in_config_is_one_value_away_and_read_from_the_image(helm_binary, helm_env, tmp_path) -> None:
+    """`pluginsConfigFile: picker-best.yaml` alone runs the image's built-in picker-best (no
+    ConfigMap, no ConfigMap access, whatever configSource); a custom config of that name wins."""
+    for source in ("api", "file"):
+        values = {"inferenceExtension": {"pluginsConfigFile": "picker-best.yaml", "configSource": source}}
+        docs = picker_docs(helm_binary, helm_env, tmp_path, values)
+        args = flags(docs)
+        assert args["config-file"] == "picker-best.yaml" and "config-map" not in args
+        assert not [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "rel-epp"]
+        (role,) = [d for d in by_kind(docs, "Role") if d["metadata"]["name"] == "rel-epp"]
+        assert "configmaps" not in {resource for rule in role["rules"] for resource in rule["resources"]}
+        pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+        assert [m["mountPath"] for m in container(docs)["volumeMounts"]] == ["/tmp"]
+    # what the picker makes of that flag in its pod: the built-in config
+    options = serve_options(
+        build_parser().parse_args(["--endpoints", "10.0.0.1:8000", "--config-file", args["config-file"]])
+    )
+    assert options.scheduling.config_file == str(BUILTIN_DIR / "picker-best.yaml")
+    custom = {
+        "inferenceExtension": {
+            "pluginsConfigFile": "picker-best.yaml",
+            "pluginsCustomConfig": {"picker-best.yaml": CUSTOM_CONFIG},
+        }
+    }
+    docs = picker_docs(helm_binary, helm_env, tmp_path, custom)
+    assert flags(docs)["config-map"] == "rel-epp"
+    assert one(docs, "ConfigMap")["data"]["picker-best.yaml"].strip() == CUSTOM_CONFIG.strip()
+
+
+def test_the_charts_built_in_names_are_the_packages(helm_binary, helm_env, tmp_path) -> None:
+    result = subprocess.run(
+        [
+            str(helm_binary),
+            "template",
+            "rel",
+            str(CHART),
+            "--set",
+            "inferenceExtension.pluginsConfigFile=picker-bset.yaml",
+        ],
+        env=helm_env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    listed = re.search(r"nor a built-in config \(([^)]*)\)", result.stderr)
+    assert listed, result.stderr
+    assert tuple(listed.group(1).split(", ")) == builtin_names()
 
 
 @pytest.mark.parametrize(

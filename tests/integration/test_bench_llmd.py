@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary
 from picker_bench.llmd import llmd_epp_binary
 from tests.integration.test_bench_cli import alive_in_groups, bench, finish, started_pids
 
-PICKER_PRECISE = Path(__file__).resolve().parents[2] / "manifests" / "configs" / "picker-precise.yaml"
+PICKER_PRECISE = BUILTIN_DIR / "picker-precise.yaml"
 
 # On a fresh machine the binary is built first: about 20 minutes of CPU on 2 cores (the Rust
 # tokenizers library, then the Go build; tools/install-test-binaries.sh builds it before the

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import workloads
 from picker_bench.loadgen import LoadOptions, run_load
 from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
 
-ROOT = Path(__file__).resolve().parents[2]
 SIDECAR = Path.home() / ".cache/picker/bin/pd-sidecar-v0.4.0"
 # Documents far above the config's 8192-character threshold, chat prompts far below it.
 SPEC = workloads.PdMixSpec(
@@ -58,7 +58,7 @@ def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(launcher
     _, pods = start_fleet(fleet, launcher, "pd")
     prefill, decode = pods
     assert (prefill.role, decode.role) == ("prefill", "decode")
-    (spec,) = parse_systems(["picker:pd"], {"pd": ROOT / "manifests/configs/picker-pd.yaml"}, pd_sidecar=SIDECAR)
+    (spec,) = parse_systems(["picker:pd"], {"pd": BUILTIN_DIR / "picker-pd.yaml"}, pd_sidecar=SIDECAR)
     gateway = start_system(spec, pods, launcher, "pd")
     sessions = workloads.pd_mix(SPEC, rate=8, duration_s=2, seed=1)
     prompts = list(workloads.all_prompts(sessions))

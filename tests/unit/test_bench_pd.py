@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import cli, workloads
 from picker_bench.loadgen import RequestResult
 from picker_bench.runner import BenchPlan
 from picker_bench.stats import summarize, time_per_output_token
 from picker_bench.systems import FleetOptions, declares_pd
 
-ROOT = Path(__file__).resolve().parents[2]
-PD_CONFIG = ROOT / "manifests/configs/picker-pd.yaml"
-BEST_CONFIG = ROOT / "manifests/configs/picker-best.yaml"
+PD_CONFIG = BUILTIN_DIR / "picker-pd.yaml"
+BEST_CONFIG = BUILTIN_DIR / "picker-best.yaml"
 SMALL = ["--workload", "pd-mix", "--bounds-only", "--duration", "10", "--rate", "5", "--document-len", "300"]
 
 

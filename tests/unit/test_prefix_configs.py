@@ -3,16 +3,14 @@ mean what their names say (they are the baselines and the tuned config of BENCHM
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from picker.config.builtin_configs import BUILTIN_DIR
 from picker.config.loader import LoadedConfig, build, parse_file, parse_text, to_yaml
 from picker.kvevents.plugins import PreciseScorer
 from picker.prefix.plugins import ApproxPrefixCacheProducer
-
-CONFIGS = Path(__file__).resolve().parents[2] / "manifests" / "configs"
 
 
 def _weights(loaded: LoadedConfig) -> dict[str, float]:
@@ -26,7 +24,7 @@ def _parameters(loaded: LoadedConfig, name: str) -> dict[str, Any]:
 
 
 def test_reference_approx_is_the_reference_default_on_character_blocks() -> None:
-    loaded = build(parse_file(CONFIGS / "reference-approx.yaml"))
+    loaded = build(parse_file(BUILTIN_DIR / "reference-approx.yaml"))
     assert _weights(loaded) == {"queue-scorer": 2.0, "kv-cache-utilization-scorer": 2.0, "prefix-cache-scorer": 3.0}
     producer = _parameters(loaded, "approx-prefix-cache-producer")
     assert "tokenizers" not in producer  # character blocks, as the reference hashes
@@ -35,7 +33,7 @@ def test_reference_approx_is_the_reference_default_on_character_blocks() -> None
 
 
 def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
-    loaded = build(parse_file(CONFIGS / "picker-best.yaml"))
+    loaded = build(parse_file(BUILTIN_DIR / "picker-best.yaml"))
     assert _weights(loaded) == {
         "ttft-cost-scorer": 3.0,
         "prefix-cache-scorer": 2.0,
@@ -49,7 +47,7 @@ def test_picker_best_predicts_ttft_on_token_exact_blocks() -> None:
 
 
 def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publishers() -> None:
-    loaded = build(parse_file(CONFIGS / "picker-precise.yaml"))
+    loaded = build(parse_file(BUILTIN_DIR / "picker-precise.yaml"))
     assert _weights(loaded) == {
         "ttft-cost-scorer": 3.0,
         "precise-prefix-cache-scorer": 2.0,
@@ -65,8 +63,8 @@ def test_picker_precise_scores_prefixes_from_kv_events_of_the_discovered_publish
 
 
 def test_picker_e2e_is_picker_best_plus_the_completion_time_cost() -> None:
-    best = build(parse_file(CONFIGS / "picker-best.yaml"))
-    loaded = build(parse_file(CONFIGS / "picker-e2e.yaml"))
+    best = build(parse_file(BUILTIN_DIR / "picker-best.yaml"))
+    loaded = build(parse_file(BUILTIN_DIR / "picker-e2e.yaml"))
     assert _weights(loaded) == {**_weights(best), "e2e-cost-scorer": 3.0}
     for name in ("approx-prefix-cache-producer", "ttft-cost-scorer"):
         assert _parameters(loaded, name) == _parameters(best, name)
@@ -86,7 +84,7 @@ def test_picker_e2e_is_picker_best_plus_the_completion_time_cost() -> None:
     ],
 )
 def test_config_show_prints_every_effective_parameter_and_loads_back_the_same(name: str) -> None:
-    loaded = build(parse_file(CONFIGS / name))
+    loaded = build(parse_file(BUILTIN_DIR / name))
     shown = to_yaml(loaded.config)  # what `picker config show` prints
     assert build(parse_text(shown)).config == loaded.config
     producer = _parameters(loaded, "approx-prefix-cache-producer")

@@ -292,3 +292,24 @@ configMap:
 {{- $sidecar | toJson -}}
 {{- end -}}
 {{- end -}}
+
+{{/* picker's built-in configs (picker/config/builtin/*.yaml, in the image), by file name;
+tests/e2e/test_chart.py checks this list against that directory. */}}
+{{- define "picker.builtinConfigs" -}}
+overhead-flowcontrol-off.yaml overhead-flowcontrol-on.yaml picker-best.yaml picker-conversation.yaml picker-e2e.yaml picker-flowcontrol-rr.yaml picker-flowcontrol-strict.yaml picker-pd-predicted.yaml picker-pd.yaml picker-precise.yaml reference-approx.yaml
+{{- end -}}
+
+{{/* "true" when pluginsConfigFile names a built-in config: neither default-plugins.yaml nor a
+key of pluginsCustomConfig (which win over a built-in of the same name). Fails for a name that
+is none of the three. */}}
+{{- define "picker.builtinConfig" -}}
+{{- $file := .Values.inferenceExtension.pluginsConfigFile -}}
+{{- if and (ne $file "default-plugins.yaml") (not (hasKey .Values.inferenceExtension.pluginsCustomConfig $file)) -}}
+{{- $builtin := splitList " " (include "picker.builtinConfigs" .) -}}
+{{- if has $file $builtin -}}
+true
+{{- else -}}
+{{- fail (printf "inferenceExtension.pluginsConfigFile %q is neither default-plugins.yaml, a key of inferenceExtension.pluginsCustomConfig, nor a built-in config (%s)" $file (join ", " $builtin)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
