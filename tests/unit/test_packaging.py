@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from picker.config.builtin_configs import builtin_names
+
 ROOT = Path(__file__).resolve().parents[2]
 RIG_PACKAGES = ("picker_sim", "picker_bench")
 
@@ -45,6 +47,8 @@ def build_wheel(tmp_path: Path, project: str) -> list[str]:
 def test_the_products_wheel_holds_no_simulator_or_bench_module(tmp_path: Path) -> None:
     names = build_wheel(tmp_path, ".")
     assert "picker/serve/server.py" in names and "picker/extproc/server.py" in names
+    # the shipped configs, which `--config-file NAME` reads from the installed package
+    assert {f"picker/config/builtin/{name}" for name in builtin_names()} <= set(names)
     rig = [n for n in names if n.startswith(("picker_sim/", "picker_bench/", "picker/sim/", "picker/bench/"))]
     assert rig == []
     assert {n.split("/")[0] for n in names} == {"picker", "picker-0.1.0.dist-info"}
