@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
+from picker.config.builtin_configs import resolve_config_path
+from picker.config.schema import ConfigError
 from picker_bench import report as reports
 from picker_bench import workloads
 from picker_bench.capacity import CapacityPlan, Slo, run_capacity, terminal_text
@@ -326,15 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_picker_configs(values: list[str]) -> dict[str, Path]:
-    """`LABEL=FILE` or `FILE` (label "") pairs; ValueError if a file is missing."""
+    """`LABEL=FILE` or `FILE` (label "") pairs, FILE a path or a built-in config's name
+    (`picker-best.yaml`, as `picker serve --config-file` takes it); ValueError if it is neither."""
     configs: dict[str, Path] = {}
     for value in values:
         label, sep, path = value.partition("=")
         if not sep:
             label, path = "", value
-        file = Path(path)
+        try:
+            file = resolve_config_path(path)
+        except ConfigError:
+            file = Path(path)
         if not file.is_file():
-            raise ValueError(f"--picker-config {value}: no such file")
+            raise ValueError(f"--picker-config {value}: no such file, nor a built-in config of that name")
         configs[label] = file.resolve()
     return configs
 

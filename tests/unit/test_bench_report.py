@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import cli, demo, report
 from picker_bench.attribution import Attribution
 from picker_bench.loadgen import RequestResult
@@ -177,6 +178,7 @@ def test_parse_systems() -> None:
         (["--systems", "round-robin", "--workload", "shared-prefix", "--groups", "0"], "--groups"),
         (["--systems", "round-robin", "--workload", "multi-turn", "--duration", "0"], "--duration"),
         (["--systems", "picker:a", "--workload", "shared-prefix", "--picker-config", "a=/no/file"], "no such file"),
+        (["--systems", "picker:a", "--workload", "shared-prefix", "--picker-config", "a=nope.yaml"], "nor a built-in"),
         (["--workload", "shared-prefix"], "--systems is required"),
         (["--systems", "reference-epp", "--workload", "shared-prefix"], "no --reference-epp PATH"),
         (
@@ -248,3 +250,7 @@ def test_demo_runs_a_valid_plan_and_summarizes_it(tmp_path: Path) -> None:
     )
     assert "picker 85.0%, round robin 35.0% (infinite-cache bound 90.0%)" in text
     assert "TTFT p50: picker 50 ms, round robin 400 ms" in text
+
+
+def test_picker_configs_take_built_in_names_as_picker_serve_does() -> None:
+    assert cli.parse_picker_configs(["best=picker-best.yaml"]) == {"best": BUILTIN_DIR / "picker-best.yaml"}
