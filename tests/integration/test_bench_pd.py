@@ -13,10 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import workloads
+from picker_bench.gobuild import GoModuleUnavailableError
+from picker_bench.llmd import pd_sidecar_binary
 from picker_bench.loadgen import LoadOptions, run_load
 from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
 
-SIDECAR = Path.home() / ".cache/picker/bin/pd-sidecar-v0.4.0"
 # Documents far above the config's 8192-character threshold, chat prompts far below it.
 SPEC = workloads.PdMixSpec(
     long_share=0.5,
@@ -28,7 +29,15 @@ SPEC = workloads.PdMixSpec(
     output_len=6,
 )
 
-pytestmark = pytest.mark.skipif(not SIDECAR.exists(), reason=f"llm-d's pd-sidecar not built at {SIDECAR}")
+
+@pytest.fixture(scope="module")
+def sidecar_binary() -> Path:
+    """llm-d's pd-sidecar, built from its Go module the first time (tools/install-test-binaries.sh
+    builds it before the suite)."""
+    try:
+        return pd_sidecar_binary()
+    except GoModuleUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture
@@ -53,12 +62,14 @@ def prompt_tokens_by_source(pod: FleetPod) -> dict[str, float]:
     }
 
 
-def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(launcher: Launcher) -> None:
+def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(
+    launcher: Launcher, sidecar_binary: Path
+) -> None:
     fleet = FleetOptions(pods=2, prefill_pods=1, profile="tiny", num_gpu_blocks=2048, max_model_len=8192)
     _, pods = start_fleet(fleet, launcher, "pd")
     prefill, decode = pods
     assert (prefill.role, decode.role) == ("prefill", "decode")
-    (spec,) = parse_systems(["picker:pd"], {"pd": BUILTIN_DIR / "picker-pd.yaml"}, pd_sidecar=SIDECAR)
+    (spec,) = parse_systems(["picker:pd"], {"pd": BUILTIN_DIR / "picker-pd.yaml"}, pd_sidecar=sidecar_binary)
     gateway = start_system(spec, pods, launcher, "pd")
     sessions = workloads.pd_mix(SPEC, rate=8, duration_s=2, seed=1)
     prompts = list(workloads.all_prompts(sessions))
