@@ -4,12 +4,11 @@ picker with a P/D config and llm-d's pd-sidecar in front of the decode pod."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import workloads
@@ -17,6 +16,7 @@ from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.llmd import pd_sidecar_binary
 from picker_bench.loadgen import LoadOptions, run_load
 from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
+from tests.sim_fixtures import pod_metrics
 
 # Documents far above the config's 8192-character threshold, chat prompts far below it.
 SPEC = workloads.PdMixSpec(
@@ -51,15 +51,14 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
 
 
 def prompt_tokens_by_source(pod: FleetPod) -> dict[str, float]:
-    """The pod's vLLM `prompt_tokens_by_source` counter, by source."""
-    with urllib.request.urlopen(f"http://{pod.address}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return {
-        sample.labels["source"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "vllm:prompt_tokens_by_source_total"
-    }
+    """The pod's vLLM `prompt_tokens_by_source` counter, by source (`tests.sim_fixtures.pod_metrics`)."""
+
+    async def read() -> dict[str, float]:
+        async with aiohttp.ClientSession() as http:
+            return await pod_metrics(http, pod.address)
+
+    prefix = "vllm:prompt_tokens_by_source_total{"
+    return {name[len(prefix) : -1]: value for name, value in asyncio.run(read()).items() if name.startswith(prefix)}
 
 
 def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(
