@@ -12,8 +12,6 @@ import pytest
 
 from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import workloads
-from picker_bench.gobuild import GoModuleUnavailableError
-from picker_bench.llmd import pd_sidecar_binary
 from picker_bench.loadgen import LoadOptions, run_load
 from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
 from tests.sim_fixtures import pod_metrics
@@ -28,16 +26,6 @@ SPEC = workloads.PdMixSpec(
     question_len=16,
     output_len=6,
 )
-
-
-@pytest.fixture(scope="module")
-def sidecar_binary() -> Path:
-    """llm-d's pd-sidecar, built from its Go module the first time (tools/install-test-binaries.sh
-    builds it before the suite)."""
-    try:
-        return pd_sidecar_binary()
-    except GoModuleUnavailableError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture

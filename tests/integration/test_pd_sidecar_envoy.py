@@ -28,8 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from picker.prefix.builtin_tokenizer import encode
 from picker_bench.envoy import EnvoyProcess
-from picker_bench.gobuild import GoModuleUnavailableError
-from picker_bench.llmd import PdSidecar, pd_sidecar_binary
+from picker_bench.llmd import PdSidecar
 from picker_bench.process import wait_until
 from picker_bench.systems import FleetPod, write_endpoints_file
 from tests.sim_fixtures import delta, eventually, pod_metrics, start_sim, stop_process
@@ -55,14 +54,6 @@ ANSWER_DEADLINE = aiohttp.ClientTimeout(total=60)  # a hang fails the test here
 def _sim(args: Sequence[str]) -> tuple[subprocess.Popen[str], list[FleetPod]]:
     proc, lines = start_sim(["--base-port", "0", "--profile", "tiny", *args])
     return proc, [FleetPod.parse(line) for line in lines]
-
-
-@pytest.fixture(scope="module")
-def sidecar_binary() -> Path:
-    try:
-        return pd_sidecar_binary()
-    except GoModuleUnavailableError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="module")
