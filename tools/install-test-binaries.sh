@@ -123,7 +123,7 @@ build_pd_sidecar() {
   echo "llm-d pd-sidecar v0.4.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.llmd)"
 }
 
-# llm-d's scheduler, for the bench's llmd and llmd-precise systems: picker_bench's
+# llm-d's scheduler, for the bench's llmd, llmd-precise and llmd-pd systems: picker_bench's
 # `llmd_epp_binary()` (cgo: libzmq, the venv interpreter's libpython, the tokenizers crate's
 # static library built with cargo).
 build_llmd_epp() {

@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         help=f"comma-separated: {', '.join(k for k in KINDS if k not in ('picker', 'external'))}, "
-        "picker, picker:LABEL, external:URL (reference-epp needs --reference-epp, llmd and llmd-precise "
-        "--llmd-epp, llmd-precise also --distinct-hosts); "
+        "picker, picker:LABEL, external:URL (reference-epp needs --reference-epp, llmd, llmd-precise and "
+        "llmd-pd --llmd-epp, llmd-precise also --distinct-hosts, llmd-pd (llm-d's P/D) --pd and --pd-sidecar); "
         "picker[:LABEL]@N runs N picker replicas behind one Envoy "
         "(LEAST_REQUEST over them), picker[:LABEL]@N+store makes them share state through a redis-server "
         "(--state-store), e.g. picker:best@3,picker:best@3+store",
@@ -223,15 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--pd",
         metavar="P:D",
         help="a prefill/decode fleet: P prefill pods then D decode pods (labels llm-d.ai/role), instead of "
-        "--pods. Picker systems whose config has a pd-profile-handler route it disaggregated, through "
-        "llm-d's pd-sidecar in front of each decode pod (--pd-sidecar); every other system sees its "
+        "--pods. Picker systems whose config has a pd-profile-handler, and llmd-pd, route it disaggregated, "
+        "through llm-d's pd-sidecar in front of each decode pod (--pd-sidecar); every other system sees its "
         "P+D pods as one aggregated fleet (a prefill pod serves a plain request whole)",
     )
     sim.add_argument(
         "--pd-sidecar",
         type=Path,
         metavar="PATH",
-        help="llm-d's pd-sidecar binary (v0.4.0), for P/D picker systems on a --pd fleet",
+        help="llm-d's pd-sidecar binary (v0.4.0), for P/D picker systems and llmd-pd on a --pd fleet",
     )
     sim.add_argument("--model", default="sim-model")
     sim.add_argument("--profile", default="llama3-8b-h100", help="sim timing profile")
@@ -499,9 +499,15 @@ def check_reference_epp(args: argparse.Namespace, systems: list[SystemSpec], pod
         return
     if "llmd-precise" in kinds and not args.distinct_hosts:
         raise ValueError("llmd-precise keys engines by IP (topic kv@<ip>@<model>): add --distinct-hosts")
-    if pods > MAX_TARGET_PORTS and not args.distinct_hosts:
+    if "llmd-pd" in kinds and (args.pd is None or args.distinct_hosts):
         raise ValueError(
-            f"--pods {pods}: the {', '.join(sorted(kinds))} system takes at most {MAX_TARGET_PORTS} pods "
+            "llmd-pd runs llm-d's P/D: it needs a --pd P:D fleet, without --distinct-hosts (its pd-sidecar "
+            "reaches its engine at localhost)"
+        )
+    by_port = kinds - {"llmd-pd"}  # llmd-pd gives every Pod an address of its own
+    if by_port and pods > MAX_TARGET_PORTS and not args.distinct_hosts:
+        raise ValueError(
+            f"--pods {pods}: the {', '.join(sorted(by_port))} system takes at most {MAX_TARGET_PORTS} pods "
             "on one address (its InferencePool's target ports, one per pod); --distinct-hosts takes more"
         )
     try:

@@ -142,6 +142,41 @@ def baseline_config(
     return config
 
 
+def tcp_relay_config(relays: Sequence[tuple[tuple[str, int], str]], admin: tuple[str, int]) -> dict[str, Any]:
+    """Envoy as a plain TCP relay: for each `(listen, target)` of `relays`, a listener at `listen`
+    whose connections go to `target` (`ip:port`) byte for byte."""
+    listeners, clusters = [], []
+    for index, (listen, target) in enumerate(relays):
+        name = f"relay-{index}"
+        proxy = {"@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy"}
+        listeners.append(
+            {
+                "name": name,
+                "address": _socket(*listen),
+                "filter_chains": [
+                    {
+                        "filters": [
+                            {
+                                "name": "envoy.filters.network.tcp_proxy",
+                                "typed_config": {**proxy, "stat_prefix": name, "cluster": name},
+                            }
+                        ]
+                    }
+                ],
+            }
+        )
+        endpoint = {"endpoint": {"address": _socket(*split_host_port(target))}}
+        clusters.append(
+            {
+                "name": name,
+                "type": "STATIC",
+                "connect_timeout": "10s",
+                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint]}]},
+            }
+        )
+    return {"admin": {"address": _socket(*admin)}, "static_resources": {"listeners": listeners, "clusters": clusters}}
+
+
 class EnvoyProcess(ManagedProcess):
     """One Envoy process running `config`; ready when its admin interface says LIVE."""
 

@@ -14,7 +14,12 @@ control plane, an InferencePool, Pods Ready at the fleet's addresses), plus what
   (42; the fleet is started with that `--hash-seed`), the ZMQ subscriber bound on a free port
   (its default `tcp://*:5557` would clash between runs) that every sim pod connects to
   (`--kv-events-endpoint`), and a local tokenizer. Its scores are keyed by Pod IP and events by
-  the topic's IP (`kv@<ip>@<model>`), so the fleet needs one address per pod (`--distinct-hosts`).
+  the topic's IP (`kv@<ip>@<model>`), so the fleet needs one address per pod (`--distinct-hosts`);
+- prefill/decode (`llmd-pd`): its `deploy/config/pd-epp-config.yaml` (prefill-filter /
+  decode-filter on the `llm-d.ai/role` label, prefix-cache-scorer, pd-profile-handler,
+  prefill-header-handler) with the threshold of picker's `picker-pd.yaml` (8192 characters)
+  instead of the sample's 0 (every request disaggregated), so both decide alike which prompts
+  go to a prefill pod; `picker_bench.systems.start_llmd_pd_pool` lays out its pods.
 
 The local tokenizer (`write_builtin_tokenizer`) is a Hugging Face `tokenizer.json` that gives the
 simulator's built-in tokenizer's ids for the bench's words and chat markup (a WordLevel model
@@ -37,12 +42,16 @@ from typing import Any
 
 import yaml
 
+from picker.config.builtin_configs import BUILTIN_DIR
+from picker.disaggregation.handlers import PdProfileHandler
 from picker.prefix.builtin_tokenizer import encode
 from picker_bench.gobuild import GoModule
 from picker_bench.llmd import LLMD
 from picker_bench.workloads import VOCAB
 
 APPROXIMATE_CONFIG = "epp-config.yaml"
+PD_CONFIG = "pd-epp-config.yaml"
+PICKER_PD_CONFIG = BUILTIN_DIR / "picker-pd.yaml"
 PRECISE_CONFIG = "epp-precise-prefix-cache-config.yaml"
 KV_CACHE_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 # The built-in chat template (`builtin_tokenizer.render_chat`) in Jinja, as transformers renders it.
@@ -126,6 +135,22 @@ def precise_config(block_size: int, zmq_endpoint: str, model: str) -> dict[str, 
         "hf": {"enabled": True, "tokenizersCacheDir": "hf-cache"},
     }
     parameters["kvEventsConfig"] = {"zmqEndpoint": zmq_endpoint, "topicFilter": "kv@"}
+    return config
+
+
+def pd_handler_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of the config's pd-profile-handler (set in place: created if absent)."""
+    (handler,) = [p for p in config["plugins"] if p["type"] == PdProfileHandler.plugin_type]
+    parameters: dict[str, Any] = handler.setdefault("parameters", {})
+    return parameters
+
+
+def pd_config() -> dict[str, Any]:
+    """llm-d's P/D sample config with the P/D threshold of picker's `picker-pd.yaml` (see the
+    module docstring)."""
+    picker: dict[str, Any] = yaml.safe_load(PICKER_PD_CONFIG.read_text())
+    config: dict[str, Any] = yaml.safe_load(llmd_config(PD_CONFIG).read_text())
+    pd_handler_parameters(config)["threshold"] = pd_handler_parameters(picker)["threshold"]
     return config
 
 

@@ -122,8 +122,9 @@ class ReferenceEpp:
     The pool's endpoints are one Pod per address in `hosts`, each with every port in `ports`
     (the InferencePool's target ports): one address with a port per backend, or one address per
     backend at one port (IP-keyed schedulers such as llm-d's precise one tell pods apart only so).
-    `config_file` is its EndpointPickerConfig (None: its built-in default); `extra_args`,
-    `extra_env` and `cwd` are for EPPs that need more; `on_spawn(pid, role)` hears of every
+    `config_file` is its EndpointPickerConfig (None: its built-in default); `pod_labels` are
+    each Pod's labels beside the pool's selector (llm-d's P/D roles), in the order of `hosts`;
+    `extra_args`, `extra_env` and `cwd` are for EPPs that need more; `on_spawn(pid, role)` hears of every
     process started ("etcd", "kube-apiserver", `role`) the moment it exists; `name` names the
     EPP's log file.
     """
@@ -140,6 +141,7 @@ class ReferenceEpp:
         on_spawn: Callable[[int, str], None] | None = None,
         *,
         role: str = "reference-epp",
+        pod_labels: Sequence[Mapping[str, str]] = (),
         extra_args: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
@@ -150,9 +152,12 @@ class ReferenceEpp:
             raise ValueError(f"the reference EPP takes 1 to {MAX_TARGET_PORTS} target ports, not {len(ports)}")
         if not hosts or len(set(hosts)) != len(hosts):
             raise ValueError(f"the pool's Pods need distinct addresses, not {list(hosts)}")
+        if pod_labels and len(pod_labels) != len(hosts):
+            raise ValueError(f"{len(pod_labels)} Pods' labels for {len(hosts)} Pods")
         self.binary, self.hosts, self.ports, self.tls, self.log_dir = binary, list(hosts), ports, tls, log_dir
         self.config_file, self.name, self.on_spawn, self.role = config_file, name, on_spawn, role
         self.extra_args, self.extra_env, self.cwd = list(extra_args), dict(extra_env or {}), cwd
+        self.pod_labels = [{**POD_LABELS, **labels} for labels in pod_labels] or [POD_LABELS] * len(self.hosts)
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.cluster: KubeCluster | None = None
         self.process: ManagedProcess | None = None
@@ -169,7 +174,7 @@ class ReferenceEpp:
             put_pool(api, NAMESPACE, POOL, POD_LABELS, self.ports)
             for i, host in enumerate(self.hosts):
                 pod = "bench-backend" if len(self.hosts) == 1 else f"bench-backend-{i}"
-                create_pod(api, NAMESPACE, pod, POD_LABELS)
+                create_pod(api, NAMESPACE, pod, self.pod_labels[i])
                 set_pod_ready(api, NAMESPACE, pod, host)
         started = time.monotonic()
         self.process = start_reference_epp(

@@ -6,7 +6,8 @@ Prefill/decode (P/D) fleets (`FleetOptions.prefill_pods`): a picker system whose
 the sidecar having first sent the prompt to the prefill pod the picker named in
 `x-prefiller-host-port`. Every other system routes the same pods aggregated: a simulated prefill
 pod serves a request without `kv_transfer_params` whole, as vLLM with a KV connector does, so
-they see a fleet of the same size with nothing disaggregated.
+they see a fleet of the same size with nothing disaggregated. llm-d's own P/D (`llmd-pd`) runs
+its scheduler with its P/D sample config over the same sidecars (`start_llmd_pd_pool`).
 
 Every process is started through `Launcher`, which writes its PID to `DIR/pids` the moment it
 exists and stops everything it started, newest first, however the run ends.
@@ -14,6 +15,7 @@ exists and stops everything it started, newest first, however the run ends.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shutil
@@ -30,13 +32,20 @@ from kubernetes import client
 
 from picker.disaggregation.handlers import PdProfileHandler
 from picker.scheduling.labels import ROLE_DECODE, ROLE_LABEL
-from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config, replicated_picker_config
+from picker_bench.envoy import (
+    EnvoyProcess,
+    baseline_config,
+    picker_config,
+    replicated_picker_config,
+    tcp_relay_config,
+)
 from picker_bench.llmd import PdSidecar
 from picker_bench.llmd_epp import (
     APPROXIMATE_CONFIG,
     llmd_config,
     llmd_env,
     llmd_flags,
+    pd_config,
     precise_config,
     precise_hash_seed,
     write_builtin_tokenizer,
@@ -52,7 +61,10 @@ ROUTER_POLICIES = {
     "sglang-round-robin": ("sglang", "round_robin"),
     "vllm-router-cache-aware": ("vllm-router", "cache_aware"),
 }
-EPP_KINDS = ("reference-epp", "llmd", "llmd-precise")  # EPP binaries run over a throwaway control plane
+EPP_KINDS = ("reference-epp", "llmd", "llmd-precise", "llmd-pd")  # EPP binaries run over a throwaway control plane
+LLMD_KINDS = ("llmd", "llmd-precise", "llmd-pd")
+# llmd-pd's Pod IPs: loopback addresses no fleet uses (a `--distinct-hosts` one starts at 127.0.0.1)
+LLMD_PD_POD_IPS = ipaddress.IPv4Address("127.0.1.1")
 KINDS = ("round-robin", "least-request", "picker", *ROUTER_POLICIES, *EPP_KINDS, "external")
 # picker[:LABEL]@N[+store]: N replicas behind one Envoy, sharing state through a redis-server
 REPLICAS = re.compile(r"@(?P<replicas>\d+)(?P<store>\+store)?$")
@@ -88,9 +100,9 @@ def parse_systems(
     """Validate system names; `picker_configs` maps a label ("" for plain `picker`) to a file;
     `reference-epp` runs the binary `reference_epp` with `reference_config` (None: its default);
     `llmd` runs llm-d's binary `llmd_epp` with `llmd_config` (None: llm-d's approximate sample)
-    and `llmd-precise` with its precise-prefix-cache sample (`picker_bench.llmd_epp`); EPPs log at
-    `epp_log_verbosity`; a picker config with a `pd-profile-handler` reaches decode pods through
-    `pd_sidecar`."""
+    and `llmd-precise` with its precise-prefix-cache sample, `llmd-pd` with its P/D sample
+    (`picker_bench.llmd_epp`); EPPs log at `epp_log_verbosity`; a picker config with a
+    `pd-profile-handler`, and `llmd-pd`, reach decode pods through `pd_sidecar`."""
     specs: list[SystemSpec] = []
     for raw in names:
         name = raw.strip()
@@ -130,11 +142,17 @@ def parse_systems(
             if reference_epp is None:
                 raise ValueError(f"{name!r}: no --reference-epp PATH (the reference EPP's binary) given")
             specs.append(SystemSpec(name, kind, reference_config, reference_epp, epp_log_verbosity))
-        elif kind in ("llmd", "llmd-precise"):
+        elif kind in LLMD_KINDS:
             if llmd_epp is None:
                 raise ValueError(f"{name!r}: no --llmd-epp PATH (llm-d's scheduler binary) given")
             config = llmd_config if kind == "llmd" else None
-            specs.append(SystemSpec(name, kind, config, llmd_epp, epp_log_verbosity))
+            pd = kind == "llmd-pd"
+            if pd and pd_sidecar is None:
+                raise ValueError(
+                    f"{name!r}: llm-d's P/D runs its pd-sidecar in front of each decode pod: no --pd-sidecar"
+                )
+            spec = SystemSpec(name, kind, config, llmd_epp, epp_log_verbosity, disaggregated=pd, pd_sidecar=pd_sidecar)
+            specs.append(spec)
         else:
             specs.append(SystemSpec(name, kind))
     if len({s.name for s in specs}) != len(specs):
@@ -481,21 +499,53 @@ def pool_addresses(pods: Sequence[FleetPod]) -> tuple[list[str], list[int]]:
     raise RuntimeError(f"an EPP needs the fleet on one IP (a port per pod) or an IP per pod at one port, not {pods}")
 
 
+def start_llmd_pd_pool(
+    spec: SystemSpec, pods: Sequence[FleetPod], launcher: Launcher, tag: str
+) -> tuple[list[str], list[int], list[dict[str, str]]]:
+    """The pool llm-d's P/D scheduler sees, laid out as llm-d deploys it: every Pod at its own IP
+    and the pool's one target port, labelled with its `llm-d.ai/role`; a prefill Pod is its
+    engine, a decode Pod its pd-sidecar (in front of its engine). Returns the Pods' IPs, the
+    target port and their role labels.
+
+    The sidecar listens on every address at its port and reaches its engine at `localhost`, so
+    here the engines and sidecars sit on 127.0.0.1 at ports of their own, and one Envoy relays
+    each Pod's IP at the target port to them over TCP (`LLMD_PD_POD_IPS` on): a hop llm-d does
+    not have, on both the prefill and the decode path, of well under a millisecond."""
+    assert spec.pd_sidecar is not None
+    if any(not pod.address.startswith(f"{HOST}:") for pod in pods):
+        raise RuntimeError(
+            f"{spec.name}: llm-d's pd-sidecar reaches its engine at localhost: not with --distinct-hosts"
+        )
+    fronted = start_sidecars(spec.pd_sidecar, pods, launcher, tag)
+    hosts = [str(LLMD_PD_POD_IPS + index) for index in range(len(pods))]
+    target_port = free_port(hosts[0])
+    relays = [((host, target_port), pod.address) for host, pod in zip(hosts, fronted)]
+    relay = EnvoyProcess(f"pod-relay-{tag}", tcp_relay_config(relays, (HOST, free_port())), launcher.log_dir)
+    launcher.start(relay)
+    relay.wait_ready(relay.ready)
+    return hosts, [target_port], [{ROLE_LABEL: pod.role} for pod in pods]
+
+
 def start_epp(
     spec: SystemSpec, fleet: FleetOptions, pods: Sequence[FleetPod], launcher: Launcher, tag: str
 ) -> ReferenceEpp:
     """The reference EPP or llm-d's over its own control plane, started and serving: the
     fleet's pods as Pods of an InferencePool (`pool_addresses`); llm-d's as `llmd_epp` says."""
     assert spec.binary is not None
-    hosts, ports = pool_addresses(pods)
     config_file, role = spec.config_file, "reference-epp"
     verbosity = [] if spec.log_verbosity is None else [f"--v={spec.log_verbosity}"]
     llmd: dict[str, Any] = {"extra_args": verbosity}
-    if spec.kind in ("llmd", "llmd-precise"):
+    if spec.kind in LLMD_KINDS:
         role = "llmd-epp"
         llmd = {"extra_args": [*verbosity, *llmd_flags()], "extra_env": llmd_env()}
         if spec.kind == "llmd" and config_file is None:
             config_file = llmd_config(APPROXIMATE_CONFIG)
+    if spec.kind == "llmd-pd":
+        hosts, ports, llmd["pod_labels"] = start_llmd_pd_pool(spec, pods, launcher, tag)
+        config_file = launcher.log_dir / f"llmd-pd-config-{tag}.yaml"
+        config_file.write_text(yaml.safe_dump(pd_config(), sort_keys=False))
+    else:
+        hosts, ports = pool_addresses(pods)
     if spec.kind == "llmd-precise":
         if len(hosts) != len(pods) or fleet.kv_events_endpoint is None:
             raise RuntimeError("llmd-precise keys engines by IP: it needs --distinct-hosts (one address per pod)")

@@ -12,9 +12,6 @@ from pathlib import Path
 import pytest
 
 from picker.config.builtin_configs import BUILTIN_DIR
-from picker_bench.gobuild import GoModuleUnavailableError
-from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary
-from picker_bench.llmd import llmd_epp_binary
 from tests.integration.test_bench_cli import alive_in_groups, bench, finish, started_pids
 
 PICKER_PRECISE = BUILTIN_DIR / "picker-precise.yaml"
@@ -23,15 +20,6 @@ PICKER_PRECISE = BUILTIN_DIR / "picker-precise.yaml"
 # tokenizers library, then the Go build; tools/install-test-binaries.sh builds it before the
 # suite, so `make test` does not wait here).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
-
-
-@pytest.fixture(scope="module")
-def llmd_binary() -> Path:
-    try:
-        cached_binary("kube-apiserver", KUBE_VERSION)
-        return llmd_epp_binary()
-    except (MissingBinaryError, GoModuleUnavailableError) as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def counter(page: str, name: str, labels: str = "") -> float:

@@ -1,5 +1,6 @@
-"""A P/D picker system of `picker bench` on a `--pd 1:1` fleet: real `picker sim` pods, Envoy, the
-picker with a P/D config and llm-d's pd-sidecar in front of the decode pod."""
+"""`picker bench`'s P/D systems on a `--pd 1:1` fleet: real `picker sim` pods, Envoy and llm-d's
+pd-sidecar in front of the decode pod, with the picker and a P/D config (picker:pd) or llm-d's
+scheduler with its own P/D config (llmd-pd, over a real kube-apiserver)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from picker.config.builtin_configs import BUILTIN_DIR
 from picker_bench import workloads
 from picker_bench.loadgen import LoadOptions, run_load
-from picker_bench.systems import FleetOptions, FleetPod, Launcher, parse_systems, start_fleet, start_system
+from picker_bench.systems import (
+    FleetOptions,
+    FleetPod,
+    Gateway,
+    Launcher,
+    parse_systems,
+    start_fleet,
+    start_system,
+)
+from picker_bench.workloads import Prompt
 from tests.sim_fixtures import pod_metrics
 
 # Documents far above the config's 8192-character threshold, chat prompts far below it.
@@ -49,15 +60,18 @@ def prompt_tokens_by_source(pod: FleetPod) -> dict[str, float]:
     return {name[len(prefix) : -1]: value for name, value in asyncio.run(read()).items() if name.startswith(prefix)}
 
 
-def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(
-    launcher: Launcher, sidecar_binary: Path
-) -> None:
+def start_pd_fleet(launcher: Launcher, tag: str) -> tuple[FleetOptions, FleetPod, FleetPod]:
+    """A cold `--pd 1:1` fleet: its options, its prefill pod and its decode pod."""
     fleet = FleetOptions(pods=2, prefill_pods=1, profile="tiny", num_gpu_blocks=2048, max_model_len=8192)
-    _, pods = start_fleet(fleet, launcher, "pd")
-    prefill, decode = pods
+    _, (prefill, decode) = start_fleet(fleet, launcher, tag)
     assert (prefill.role, decode.role) == ("prefill", "decode")
-    (spec,) = parse_systems(["picker:pd"], {"pd": BUILTIN_DIR / "picker-pd.yaml"}, pd_sidecar=sidecar_binary)
-    gateway = start_system(spec, pods, launcher, "pd")
+    return fleet, prefill, decode
+
+
+def play_pd_mix(gateway: Gateway, fleet: FleetOptions, prefill: FleetPod, decode: FleetPod) -> list[Prompt]:
+    """Play the pd-mix sessions through `gateway`; check that every request was answered in full by
+    the decode pod, that exactly the documents were prefilled on the prefill pod, and that their
+    KV blocks reached the decode pod; return the documents."""
     sessions = workloads.pd_mix(SPEC, rate=8, duration_s=2, seed=1)
     prompts = list(workloads.all_prompts(sessions))
     documents = [p for p in prompts if p.max_tokens == SPEC.long_output_len]
@@ -78,3 +92,37 @@ def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(
     assert at_decode.get("external_kv_transfer") == full_blocks
     # ... and saw every prompt: computed, found cached, or received.
     assert sum(at_decode.values()) == sum(len(p.token_ids()) for p in prompts)
+    return documents
+
+
+def test_pd_picker_system_has_long_prompts_prefilled_on_the_prefill_pod(
+    launcher: Launcher, sidecar_binary: Path
+) -> None:
+    fleet, prefill, decode = start_pd_fleet(launcher, "pd")
+    (spec,) = parse_systems(["picker:pd"], {"pd": BUILTIN_DIR / "picker-pd.yaml"}, pd_sidecar=sidecar_binary)
+    play_pd_mix(start_system(spec, [prefill, decode], launcher, "pd"), fleet, prefill, decode)
+
+
+@pytest.mark.timeout(3600)  # a fresh machine builds llm-d's scheduler first (llmd_binary)
+def test_llmd_pd_system_has_llm_d_prefill_long_prompts_on_the_prefill_pod(
+    launcher: Launcher, sidecar_binary: Path, llmd_binary: Path
+) -> None:
+    """llm-d's scheduler with its P/D sample config (picker-pd.yaml's threshold), its Pods at
+    addresses of their own with their roles' labels, the sidecar in front of the decode pod."""
+    fleet, prefill, decode = start_pd_fleet(launcher, "llmd-pd")
+    (spec,) = parse_systems(["llmd-pd"], {}, llmd_epp=llmd_binary, pd_sidecar=sidecar_binary)
+    gateway = start_system(spec, [prefill, decode], launcher, "llmd-pd", fleet=fleet)
+
+    documents = play_pd_mix(gateway, fleet, prefill, decode)
+
+    # llm-d itself decided so: one prefill-decode decision per document, decode-only for the rest.
+    page = gateway.metrics_page()
+    assert page is not None
+    decisions = {
+        sample.labels["decision_type"]: sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == "llm_d_inference_scheduler_pd_decision_total"
+    }
+    assert decisions.get("prefill-decode") == len(documents)
+    assert decisions.get("decode-only", 0) > 0

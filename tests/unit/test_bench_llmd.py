@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from picker.prefix.builtin_tokenizer import encode, render_chat
-from picker_bench.llmd_epp import write_builtin_tokenizer
+from picker_bench.llmd_epp import pd_config, write_builtin_tokenizer
 from picker_bench.systems import FleetOptions, FleetPod, SystemSpec, parse_systems, pool_addresses, system_fleet
 from picker_bench.workloads import SharedPrefixSpec, shared_prefix
 
@@ -55,3 +55,12 @@ def test_llmd_systems_need_its_binary_and_precise_gets_a_fleet_that_connects(tmp
     assert argv[argv.index("--kv-events-endpoint") + 1].startswith("tcp://127.0.0.1:")
     assert "--kv-events-base-port" not in argv and "--distinct-hosts" in argv
     assert argv[argv.index("--hash-seed") + 1] == "42"  # llm-d's precise sample config's hashSeed
+
+
+def test_llmd_pd_runs_llm_ds_pd_sample_config_at_picker_pds_threshold() -> None:
+    config = pd_config()
+    types = [plugin["type"] for plugin in config["plugins"]]
+    assert {"prefill-filter", "decode-filter", "prefill-header-handler", "prefix-cache-scorer"} <= set(types)
+    (handler,) = [plugin for plugin in config["plugins"] if plugin["type"] == "pd-profile-handler"]
+    assert handler["parameters"] == {"threshold": 8192}  # picker-pd.yaml's; the sample has none (0)
+    assert [profile["name"] for profile in config["schedulingProfiles"]] == ["prefill", "decode"]

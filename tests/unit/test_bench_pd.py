@@ -13,7 +13,7 @@ from picker_bench import cli, workloads
 from picker_bench.loadgen import RequestResult
 from picker_bench.runner import BenchPlan
 from picker_bench.stats import summarize, time_per_output_token
-from picker_bench.systems import FleetOptions, declares_pd
+from picker_bench.systems import FleetOptions, declares_pd, parse_systems
 
 PD_CONFIG = BUILTIN_DIR / "picker-pd.yaml"
 BEST_CONFIG = BUILTIN_DIR / "picker-best.yaml"
@@ -88,6 +88,22 @@ def test_bad_pd_flags_are_refused_before_anything_starts(
 ) -> None:
     assert cli.main([*SMALL, "--out", str(tmp_path), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_llmd_pd_needs_the_sidecar_and_a_pd_fleet_on_one_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    binary = fake_sidecar(tmp_path)  # stands for both binaries: only checked to be executable
+    base = [*SMALL, "--out", str(tmp_path), "--systems", "llmd-pd", "--llmd-epp", str(binary)]
+    for flags, message in (
+        (["--pd", "1:1"], "no --pd-sidecar"),
+        (["--pd-sidecar", str(binary)], "it needs a --pd P:D fleet"),
+        (["--pd", "1:1", "--pd-sidecar", str(binary), "--distinct-hosts"], "without --distinct-hosts"),
+    ):
+        assert cli.main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err, flags
+    (system,) = parse_systems(["llmd-pd"], {}, llmd_epp=binary, pd_sidecar=binary)
+    assert (system.kind, system.binary, system.disaggregated, system.pd_sidecar) == ("llmd-pd", binary, True, binary)
 
 
 def test_a_pd_config_without_a_pd_fleet_needs_no_sidecar(tmp_path: Path) -> None:
