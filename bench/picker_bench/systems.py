@@ -509,8 +509,8 @@ def start_llmd_pd_pool(
 
     The sidecar listens on every address at its port and reaches its engine at `localhost`, so
     here the engines and sidecars sit on 127.0.0.1 at ports of their own, and one Envoy relays
-    each Pod's IP at the target port to them over TCP (`LLMD_PD_POD_IPS` on): a hop llm-d does
-    not have, on both the prefill and the decode path, of well under a millisecond."""
+    each Pod's IP at the target port to them over TCP (`LLMD_PD_POD_IPS` on): one local hop that
+    llm-d does not have, on the prefill and the decode path and the EPP's metrics scrapes."""
     assert spec.pd_sidecar is not None
     if any(not pod.address.startswith(f"{HOST}:") for pod in pods):
         raise RuntimeError(
