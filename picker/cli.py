@@ -13,6 +13,7 @@ _SUBCOMMANDS = {
     "bench": ("picker_bench.cli", "Compare routers side by side on simulated pods."),
     "demo": ("picker_bench.demo", "A two-minute comparison of round robin and the picker."),
     "config": ("picker.config.cli", "Validate or show an EndpointPickerConfig."),
+    "bbr": ("picker.bbr.command", "Body-based routing: the body's model as a routing header (the reference bbr)."),
 }
 # The distributions of this repository that are not the product (never in its wheel or image):
 # import package → the pip arguments that install it from the checkout (the bench needs the sim).

@@ -117,6 +117,13 @@ build_reference_epp() {
   echo "reference EPP v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.reference_epp)"
 }
 
+# The reference body-based router, from the same module as the reference EPP:
+# picker_bench's `reference_bbr_binary()` (about a minute of CPU once the EPP's build is cached).
+build_reference_bbr() {
+  [[ -x "$BIN_DIR/bbr-v1.5.0" ]] || echo "building the reference bbr v1.5.0"
+  echo "reference bbr v1.5.0: $(GO="$GO" PICKER_BIN_DIR="$BIN_DIR" "$PYTHON" -m picker_bench.bbr --build-only)"
+}
+
 # llm-d's routing sidecar, for the prefill/decode end-to-end: picker_bench's `pd_sidecar_binary()`.
 build_pd_sidecar() {
   [[ -x "$BIN_DIR/pd-sidecar-v0.4.0" ]] || echo "building llm-d's pd-sidecar v0.4.0 (about 4 minutes of CPU on 2 cores)"
@@ -141,5 +148,6 @@ build_base_image
 install_helm
 build_kube_apiserver
 build_reference_epp
+build_reference_bbr
 build_pd_sidecar
 build_llmd_epp

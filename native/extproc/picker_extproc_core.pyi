@@ -126,7 +126,7 @@ class Core:
     def route(
         self,
         id: int,
-        destination: str,
+        destination: str | None,
         body: bytes | None,
         chunks: bool,
         metadata: bool,

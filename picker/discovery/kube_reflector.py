@@ -49,8 +49,16 @@ class _RelistNeededError(Exception):
     """The watch's resourceVersion is gone: list again."""
 
 
+def object_key(metadata: dict[str, Any], *, across_namespaces: bool) -> str:
+    """An object's key in a reflector's copy: its name, or `namespace/name` for a watch across
+    namespaces (where names repeat)."""
+    name = str(metadata["name"])
+    return f"{metadata.get('namespace', '')}/{name}" if across_namespaces else name
+
+
 class KubeReflector:
-    """Keeps `{name: object}` for one list call and delivers copies to `on_change` on the loop."""
+    """Keeps `{name: object}` for one list call (`{namespace/name: object}` with
+    `across_namespaces`) and delivers copies to `on_change` on the loop."""
 
     def __init__(
         self,
@@ -58,8 +66,11 @@ class KubeReflector:
         list_call: ListCall,
         on_change: Callable[[Objects], None],
         loop: asyncio.AbstractEventLoop,
+        *,
+        across_namespaces: bool = False,
     ) -> None:
         self.name = name
+        self._across_namespaces = across_namespaces
         self._list_call = list_call
         self._on_change = on_change
         self._loop = loop
@@ -126,7 +137,7 @@ class KubeReflector:
             response.release_conn()
         objects: Objects = {}
         for item in body.get("items") or ():
-            objects[item["metadata"]["name"]] = item
+            objects[object_key(item["metadata"], across_namespaces=self._across_namespaces)] = item
         self._objects = objects
         self._resource_version = body["metadata"]["resourceVersion"]
         self._deliver()
@@ -164,11 +175,10 @@ class KubeReflector:
         if kind == "BOOKMARK":
             return
         if kind == "DELETED":
-            name = metadata.get("name")
-            if name is not None:  # a nameless object was never stored
-                self._objects.pop(name, None)
+            if metadata.get("name") is not None:  # a nameless object was never stored
+                self._objects.pop(object_key(metadata, across_namespaces=self._across_namespaces), None)
         elif kind in ("ADDED", "MODIFIED"):
-            self._objects[metadata["name"]] = obj
+            self._objects[object_key(metadata, across_namespaces=self._across_namespaces)] = obj
         else:
             return
         self._deliver()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, assert_never
 
@@ -63,6 +63,34 @@ def _internal_error() -> RequestError:
     return RequestError("Internal", "internal error in the endpoint picker")
 
 
+def serve_core(
+    extproc_core: core.Core,
+    drain: Callable[[], None],
+    address: str,
+    reuse_port: bool,
+    tls: Tls | None,
+    health_services: Sequence[str],
+) -> int:
+    """Start `extproc_core` on `address` with the running loop calling `drain` when it has
+    events; the bound port (OSError, with nothing left behind, when the address cannot be bound)."""
+    loop = asyncio.get_running_loop()
+    loop.add_reader(extproc_core.wake_fd(), drain)
+    tls = tls or Tls()
+    try:
+        return extproc_core.serve(
+            address,
+            reuse_port=reuse_port,
+            max_receive_bytes=MAX_RECEIVE_BYTES,
+            tls_key=tls.key_pem,
+            tls_cert=tls.cert_pem,
+            cert_dir=tls.cert_dir,
+            health_services=list(health_services),
+        )
+    except OSError:
+        loop.remove_reader(extproc_core.wake_fd())
+        raise
+
+
 class ExtProcServer:
     """`envoy.service.ext_proc.v3.ExternalProcessor` on one port, routing with `director`."""
 
@@ -87,21 +115,7 @@ class ExtProcServer:
         when the address cannot be bound. `health_services`: names the standard gRPC health
         service reports SERVING on this port (none: no health service here)."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._core.wake_fd(), self._drain)
-        tls = tls or Tls()
-        try:
-            self.port = self._core.serve(
-                address,
-                reuse_port=reuse_port,
-                max_receive_bytes=MAX_RECEIVE_BYTES,
-                tls_key=tls.key_pem,
-                tls_cert=tls.cert_pem,
-                cert_dir=tls.cert_dir,
-                health_services=list(health_services),
-            )
-        except OSError:
-            self._loop.remove_reader(self._core.wake_fd())
-            raise
+        self.port = serve_core(self._core, self._drain, address, reuse_port, tls, health_services)
         return self.port
 
     def streams_active(self) -> int:

@@ -34,7 +34,7 @@ class FlagError(ValueError):
     """A flag the picker cannot honour as given; the message starts with the flag's name."""
 
 
-class _FlagParser(argparse.ArgumentParser):
+class FlagParser(argparse.ArgumentParser):
     """Raises FlagError instead of printing usage and exiting, so a bad flag is logged (as
     JSON with `--zap-encoder=json`) and the start fails with exit code 2, as the reference's."""
 
@@ -280,7 +280,7 @@ def serve_options(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     )
 
 
-def _add_logging_flags(p: argparse._ActionsContainer) -> None:
+def add_logging_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "-v",
         "--v",
@@ -326,7 +326,7 @@ def _add_logging_flags(p: argparse._ActionsContainer) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the reference EPP v1.5.0 (its meaning, or refused at start naming the
     flag), then the picker's own."""
-    p = _FlagParser(prog="picker serve", description="Run the ext_proc endpoint picker.")
+    p = FlagParser(prog="picker serve", description="Run the ext_proc endpoint picker.")
     _add_serving_flags(p.add_argument_group("serving"))
     _add_endpoint_flags(p.add_argument_group("endpoints"))
     _add_scheduling_flags(p.add_argument_group("scheduling"))
@@ -544,7 +544,7 @@ def _add_security_flags(sec: argparse._ArgumentGroup) -> None:
 
 def _add_diagnostics_flags(obs: argparse._ArgumentGroup) -> None:
     """Logs, traces and debugging endpoints."""
-    _add_logging_flags(obs)
+    add_logging_flags(obs)
     _bool_flag(
         obs,
         "--tracing",
@@ -569,7 +569,7 @@ def _add_diagnostics_flags(obs: argparse._ArgumentGroup) -> None:
 
 def encoder_hint(argv: list[str]) -> LogSettings:
     """Logging settings good enough to report flags that do not parse: only the encoder."""
-    quick = _FlagParser(add_help=False)
+    quick = FlagParser(add_help=False)
     quick.add_argument("--zap-encoder", type=_checked(logs.parse_encoder))
     _bool_flag(quick, "--zap-devel", True, "")
     try:

@@ -21,6 +21,7 @@ from tests.e2e.helm_cli import helm
 from tests.e2e.kube_resources import create_namespace
 
 PICKER_CHART = Path(__file__).resolve().parents[2] / "charts" / "picker"
+PICKER_BBR_CHART = PICKER_CHART.parent / "picker-bbr"
 
 # Kinds other projects own, which some options render; the bare test API server gets
 # schema-less CRDs for them so that `helm install` can create the objects.
@@ -30,6 +31,8 @@ THIRD_PARTY_KINDS = [
     ("networking.gke.io", "v1", "HealthCheckPolicy", "healthcheckpolicies"),
     ("networking.gke.io", "v1", "GCPBackendPolicy", "gcpbackendpolicies"),
     ("networking.istio.io", "v1", "DestinationRule", "destinationrules"),
+    ("networking.istio.io", "v1alpha3", "EnvoyFilter", "envoyfilters"),
+    ("networking.gke.io", "v1", "GCPRoutingExtension", "gcproutingextensions"),
     ("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
     ("gateway.networking.k8s.io", "v1", "Gateway", "gateways"),
 ]

@@ -22,9 +22,10 @@ pub enum Answer {
     /// response chunk as it passes (response-streaming hooks need them); `metadata`: ask for
     /// the dynamic metadata of the answer to every response chunk and to the trailers
     /// (response-metadata hooks); `headers`: request headers plugins set for the model server
-    /// (an empty value removes the header).
+    /// (an empty value removes the header). `destination` None: a header-only answer, which
+    /// leaves the request's control headers alone and whose response is not reported.
     Route {
-        destination: String,
+        destination: Option<String>,
         body: Option<Vec<u8>>,
         headers: Vec<(String, String)>,
         chunks: bool,

@@ -108,12 +108,14 @@ impl Core {
     /// The pick for stream `id`; `body` when the director replaced it; `chunks`: report each
     /// response chunk; `metadata`: ask for the dynamic metadata of every response answer
     /// (answered with `metadata`); `headers`: request headers to set for the model server beside
-    /// the destination (an empty value removes one the client sent). False when the stream is gone.
+    /// the destination (an empty value removes one the client sent). `destination` None: a
+    /// header-only answer (body-based routing): `headers` (an empty value set, not removed) and
+    /// nothing else, and the response is not reported. False when the stream is gone.
     #[pyo3(signature = (id, destination, body, chunks, metadata, headers=Vec::new()))]
     fn route(
         &self,
         id: u64,
-        destination: String,
+        destination: Option<String>,
         body: Option<Vec<u8>>,
         chunks: bool,
         metadata: bool,

@@ -113,18 +113,20 @@ fn string_value(s: &str) -> Value {
     }
 }
 
-fn destination_metadata(destination: &str) -> Struct {
+/// The `envoy.lb` metadata naming the destination (none for a header-only answer).
+fn destination_metadata(pick: &Pick) -> Option<Struct> {
+    let destination = pick.destination.as_deref()?;
     let inner = Struct {
         fields: HashMap::from([(DESTINATION_HEADER.to_owned(), string_value(destination))]),
     };
-    Struct {
+    Some(Struct {
         fields: HashMap::from([(
             LB_NAMESPACE.to_owned(),
             Value {
                 kind: Some(Kind::StructValue(inner)),
             },
         )]),
-    }
+    })
 }
 
 fn set_header(key: &str, value: &str) -> HeaderValueOption {
@@ -140,9 +142,11 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
 }
 
 /// Python's pick: the destination (the ordered fallback list) and the request headers its
-/// plugins set for the model server (an empty value removes the header).
+/// plugins set for the model server (an empty value removes the header). No destination: the
+/// answer carries the headers only, empty values set as such (body-based routing sets headers
+/// the routes match on).
 pub struct Pick {
-    pub destination: String,
+    pub destination: Option<String>,
     pub headers: Vec<(String, String)>,
 }
 
@@ -152,12 +156,17 @@ fn routing_common(
     mut remove: Vec<String>,
     body: Option<Vec<u8>>,
 ) -> CommonResponse {
-    let mut set_headers = vec![set_header(DESTINATION_HEADER, &pick.destination)];
+    let mut set_headers: Vec<HeaderValueOption> = pick
+        .destination
+        .iter()
+        .map(|destination| set_header(DESTINATION_HEADER, destination))
+        .collect();
     if let Some(length) = content_length {
         set_headers.push(set_header("content-length", &length.to_string()));
     }
     for (key, value) in &pick.headers {
-        if value.is_empty() {
+        // a header-only answer sets what it names, empty or not (as the reference BBR does)
+        if value.is_empty() && pick.destination.is_some() {
             remove.push(key.clone());
         } else {
             set_headers.push(set_header(key, value));
@@ -248,7 +257,7 @@ pub fn route_in_headers(pick: &Pick, content_length: Option<usize>, remove: Vec<
         response: Some(Response::RequestHeaders(HeadersResponse {
             response: Some(routing_common(pick, content_length, remove, None)),
         })),
-        dynamic_metadata: Some(destination_metadata(&pick.destination)),
+        dynamic_metadata: destination_metadata(pick),
         ..Default::default()
     }
 }
@@ -260,7 +269,7 @@ pub fn route_in_body(pick: &Pick, remove: Vec<String>, new_body: Option<Vec<u8>>
         response: Some(Response::RequestBody(BodyResponse {
             response: Some(routing_common(pick, length, remove, new_body)),
         })),
-        dynamic_metadata: Some(destination_metadata(&pick.destination)),
+        dynamic_metadata: destination_metadata(pick),
         ..Default::default()
     }
 }

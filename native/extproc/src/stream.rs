@@ -70,6 +70,9 @@ struct StreamState {
     chunks: usize,
     /// Python holds a routed request for this stream (it has the pick).
     routed: bool,
+    /// Python's answer carried headers only (no destination): the request's control headers
+    /// stay, and Python hears nothing more of the stream.
+    header_only: bool,
     /// Python knows the request ended (response end reported, or it rejected it).
     reported_end: bool,
     /// Python asked about this stream: it must hear how it ends.
@@ -99,6 +102,7 @@ impl StreamState {
             body: Vec::new(),
             chunks: 0,
             routed: false,
+            header_only: false,
             reported_end: false,
             asked: false,
             report_chunks: false,
@@ -156,12 +160,25 @@ impl StreamState {
                 metadata,
             } => {
                 self.routed = true;
+                self.header_only = destination.is_none();
+                // a header-only answer ends what Python holds for the stream
+                self.reported_end |= self.header_only;
                 self.report_chunks = chunks;
                 self.ask_metadata = metadata;
                 Ok((m::Pick { destination, headers }, body))
             }
             Answer::Reject { status, body } => Err(Stop::Reject(status, body)),
             Answer::Metadata(_) => Err(Stop::Gone),
+        }
+    }
+
+    /// The control headers to remove upstream: the EPP's own, unless the answer was header-only
+    /// (body-based routing runs before the EPP, which still needs them).
+    fn removed_headers(&self) -> Vec<String> {
+        if self.header_only {
+            Vec::new()
+        } else {
+            m::removed_headers(&self.headers)
         }
     }
 
@@ -174,15 +191,6 @@ impl StreamState {
     async fn on_request_headers(&mut self, req: &ProcessingRequest, headers: &HttpHeaders) -> Step {
         if !self.headers.is_empty() {
             return Err(self.fail(violation("request headers arrived twice")).await);
-        }
-        if let Some(config) = &req.protocol_config {
-            self.request_mode = if config.request_body_mode == 0 {
-                BUFFERED
-            } else {
-                config.request_body_mode
-            };
-            self.response_mode = config.response_body_mode;
-            self.send_body_early = config.send_body_without_waiting_for_header_response;
         }
         self.headers = m::header_map(headers.headers.as_ref());
         self.request_ended = headers.end_of_stream;
@@ -198,7 +206,7 @@ impl StreamState {
                 .route(Event::RouteWithoutBody(RouteWithoutBody { id, subset }))
                 .await?;
             return self
-                .send(m::route_in_headers(&pick, None, m::removed_headers(&self.headers)))
+                .send(m::route_in_headers(&pick, None, self.removed_headers()))
                 .await;
         }
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
@@ -258,7 +266,7 @@ impl StreamState {
             subset: self.subset.clone(),
         });
         let (pick, new_body) = self.route(event).await?;
-        let removed = m::removed_headers(&self.headers);
+        let removed = self.removed_headers();
         if self.request_mode == BUFFERED || self.request_mode == BUFFERED_PARTIAL {
             return self.send(m::route_in_body(&pick, removed, new_body)).await;
         }
@@ -284,7 +292,7 @@ impl StreamState {
 
     async fn on_response_headers(&mut self, req: &ProcessingRequest, headers: HttpHeaders) -> Step {
         self.response_ended = headers.end_of_stream;
-        if self.routed {
+        if self.routed && !self.reported_end {
             let map = m::header_map(headers.headers.as_ref());
             // digits only (no sign), else 0
             let status = m::header(&map, ":status")
@@ -370,7 +378,22 @@ impl StreamState {
         self.send(m::continue_response_trailers(metadata)).await
     }
 
+    /// The body modes Envoy states in the stream's first message, whichever phase it is: a
+    /// local reply of an earlier filter reaches this one's response path without any request.
+    fn apply_protocol_config(&mut self, req: &ProcessingRequest) {
+        if let Some(config) = &req.protocol_config {
+            self.request_mode = if config.request_body_mode == 0 {
+                BUFFERED
+            } else {
+                config.request_body_mode
+            };
+            self.response_mode = config.response_body_mode;
+            self.send_body_early = config.send_body_without_waiting_for_header_response;
+        }
+    }
+
     async fn dispatch(&mut self, mut req: ProcessingRequest) -> Step {
+        self.apply_protocol_config(&req);
         match req.request.take() {
             Some(Request::RequestHeaders(headers)) => self.on_request_headers(&req, &headers).await,
             Some(Request::RequestBody(body)) => self.on_request_body(body).await,

@@ -162,7 +162,7 @@ fn route_answer() -> Answer {
 /// Python's pick: `DESTINATION`, with a replaced body, or asking for response chunks or metadata.
 fn routing(body: Option<Vec<u8>>, chunks: bool, metadata: bool) -> Answer {
     Answer::Route {
-        destination: DESTINATION.into(),
+        destination: Some(DESTINATION.into()),
         body,
         headers: Vec::new(),
         chunks,
@@ -513,7 +513,7 @@ async fn headers_the_plugins_set_go_with_the_destination_and_an_empty_one_is_rem
     harness.send_request(request_headers(FULL_DUPLEX_STREAMED, true)).await;
     let route = next_event!(harness, RouteWithoutBody);
     let answer = Answer::Route {
-        destination: DESTINATION.into(),
+        destination: Some(DESTINATION.into()),
         body: None,
         headers: vec![
             ("x-prefiller-host-port".into(), "10.0.0.9:8000".into()),
@@ -791,4 +791,91 @@ async fn an_exchange_over_ends_the_stream_after_the_close_wait_when_the_proxy_ke
     let headers = next_event!(harness, ResponseHeaders);
     assert!(headers.end_of_stream);
     harness.ended().await; // the proxy's side is still open
+}
+
+// -- header-only answers (body-based routing) ----------------------------------------------
+
+/// A header-only answer: the headers Python set, no destination, nothing removed.
+fn header_only(headers: Vec<(String, String)>) -> Answer {
+    Answer::Route {
+        destination: None,
+        body: None,
+        headers,
+        chunks: false,
+        metadata: false,
+    }
+}
+
+#[tokio::test]
+async fn a_header_only_answer_sets_its_headers_keeps_the_control_ones_and_hears_nothing_more() {
+    let mut harness = Harness::start(settings());
+    harness.send_request(request_headers(FULL_DUPLEX_STREAMED, false)).await;
+    harness.send(request_body(PAYLOAD, true)).await;
+    let id = expect_route(&mut harness, PAYLOAD).await;
+    let model = vec![
+        ("X-Gateway-Model-Name".to_owned(), "llama".to_owned()),
+        ("X-Gateway-Base-Model-Name".to_owned(), String::new()),
+    ];
+    assert!(harness.reply(id, header_only(model)));
+    let answer = harness.answer().await;
+    let Some(Response::RequestHeaders(headers)) = &answer.response else {
+        panic!("not a request-headers answer: {answer:?}")
+    };
+    let common = headers.response.as_ref().expect("a common response");
+    assert!(common.clear_route_cache);
+    assert!(answer.dynamic_metadata.is_none(), "no destination metadata");
+    assert_eq!(set_header(common, "X-Gateway-Model-Name"), Some(b"llama".as_slice()));
+    assert_eq!(set_header(common, "X-Gateway-Base-Model-Name"), Some(b"".as_slice()));
+    assert_eq!(set_header(common, m::DESTINATION_HEADER), None);
+    assert!(common.header_mutation.as_ref().unwrap().remove_headers.is_empty());
+    assert_eq!(streamed(request_body_answer(&harness.answer().await)), (PAYLOAD, true));
+    harness.send(response_headers(false)).await;
+    harness.answer().await;
+    harness.send(response_body(b"done", true)).await;
+    harness.answer().await;
+    harness.close();
+    harness.ended().await; // no response event, no Closed
+}
+
+#[tokio::test]
+async fn a_header_only_answer_in_buffered_mode_goes_in_the_body_answer() {
+    let mut harness = Harness::start(settings());
+    harness.send_request(request_headers(BUFFERED, false)).await;
+    harness.answer().await;
+    harness.send(request_body(PAYLOAD, true)).await;
+    let id = expect_route(&mut harness, PAYLOAD).await;
+    assert!(harness.reply(id, header_only(vec![("x-gateway-model-name".into(), "m".into())])));
+    let answer = harness.answer().await;
+    let common = request_body_answer(&answer).response.as_ref().unwrap();
+    assert!(common.clear_route_cache && answer.dynamic_metadata.is_none());
+    assert_eq!(set_header(common, "x-gateway-model-name"), Some(b"m".as_slice()));
+    assert_eq!(set_header(common, m::DESTINATION_HEADER), None);
+}
+
+#[tokio::test]
+async fn a_local_reply_of_an_earlier_filter_passes_in_the_mode_its_first_message_states() {
+    // An earlier filter (the body-based router rejecting a body) answered the client itself: this
+    // stream starts at the response, and its first message carries the protocol configuration.
+    let mut harness = Harness::start(settings());
+    harness
+        .send_request(ProcessingRequest {
+            request: Some(response_headers(false)),
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: FULL_DUPLEX_STREAMED,
+                response_body_mode: FULL_DUPLEX_STREAMED,
+                send_body_without_waiting_for_header_response: false,
+            }),
+            ..Default::default()
+        })
+        .await;
+    let Some(Response::ResponseHeaders(_)) = harness.answer().await.response else {
+        panic!("a response-headers answer")
+    };
+    harness.send(response_body(b"{\"error\":{}}", true)).await;
+    let answer = harness.answer().await;
+    let Some(Response::ResponseBody(body)) = &answer.response else {
+        panic!("a response-body answer: {answer:?}")
+    };
+    assert_eq!(streamed(body), (b"{\"error\":{}}".as_slice(), true));
+    harness.waits().await; // nothing was asked of Python
 }
