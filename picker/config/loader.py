@@ -45,7 +45,7 @@ from picker.framework.plugin import (
     SaturationDetector,
     Scorer,
 )
-from picker.plugins import REGISTRY, UNSUPPORTED_LLMD_TYPES, UNSUPPORTED_REFERENCE_TYPES
+from picker.plugins import REGISTRY, UNSUPPORTED_REFERENCE_TYPES
 
 DEFAULT_PROFILE = "default"
 DEFAULT_SCORER_WEIGHT = 1.0
@@ -113,14 +113,9 @@ class _Builder:
         registration = REGISTRY.lookup(spec.type)
         if registration is None:
             reason = UNSUPPORTED_REFERENCE_TYPES.get(spec.type)
-            llmd_reason = UNSUPPORTED_LLMD_TYPES.get(spec.type)
             if reason is not None:
                 self.errors.append(
                     f'{place}.type: the picker does not support the reference type "{spec.type}": {reason}'
-                )
-            elif llmd_reason is not None:
-                self.errors.append(
-                    f'{place}.type: the picker does not support llm-d\'s type "{spec.type}": {llmd_reason}'
                 )
             else:
                 self.errors.append(f'{place}.type: unknown plugin type "{spec.type}"')
