@@ -129,6 +129,7 @@ class _Builder:
             self.errors.append(f'{place}: plugin "{spec.type}" failed to start: {type(error).__name__}: {error}')
             return
         self.plugins[spec.name] = plugin
+        self.notes += [f'{place} "{spec.name}": {note}' for note in plugin.notes]
         self.handle.add_plugin(plugin)
 
     def ensure(self, plugin_type: str, parameters: Mapping[str, Any] | None = None) -> str:
@@ -250,6 +251,8 @@ class _Builder:
         if len(handlers) > 1:
             self.errors.append(f"plugins: only one profile handler may be configured, found {_quoted(handlers)}")
             return
+        if not handlers and any(spec.name not in self.plugins for spec in self.specs):
+            return  # a plugin that failed to build (its error is reported) may be the handler
         if not handlers and len(profiles) > 1:
             self.errors.append(
                 f"plugins: {len(profiles)} scheduling profiles need a profile handler; none is configured"

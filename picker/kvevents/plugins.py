@@ -8,7 +8,8 @@ pick the scorer predicts the target will cache the prompt (speculative entries) 
 request is in flight and `speculativeTTL` after it ends, and records the request's scope so the
 engine's coming events land in it.
 
-Parameters (llm-d's names where they exist):
+Parameters (llm-d's names where they exist; llm-d's own form, `indexerConfig` and
+`kvEventsConfig`, is read as `picker.kvevents.llmd_form` says):
 - `kvEventsPort` (5557): the publisher port on each endpoint's IP, for endpoints without a
   `kv_events_address`; null subscribes only endpoints that have one.
 - `kvEventsReplayPort` (none): the publisher's replay ROUTER port; without it a lost message
@@ -59,6 +60,7 @@ from picker.framework.plugin import (
     ScorerCategory,
 )
 from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.kvevents.llmd_form import translate
 from picker.kvevents.precise import PreciseIndex, Prediction, TierWeights
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
@@ -267,7 +269,8 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
-        config, effective = PreciseConfig.parse(parameters)
+        flat, notes = translate(parameters)
+        config, effective = PreciseConfig.parse(flat)
         slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
         executor = None
         if config.hash_algorithm != OWN_HASHES:
@@ -278,6 +281,7 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
             )
         scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore), executor)
         scorer.parameters = effective
+        scorer.notes = tuple(notes)
         return scorer
 
     async def prepare_async(

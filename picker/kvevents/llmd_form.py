@@ -1,0 +1,166 @@
+"""llm-d's form of `precise-prefix-cache-scorer`'s parameters, in the picker's terms.
+
+llm-d (v0.4.0, its kv-cache manager v0.4.0) configures the scorer with `indexerConfig` (the
+indexer: how requests are tokenized and hashed, where block keys are kept, how device tiers
+weigh) and `kvEventsConfig` (the ZMQ subscriber). `translate` turns them into the picker's flat
+parameters of the same meaning, refuses what the picker cannot mean the same way, and says in
+notes what it accepts without acting on.
+
+- `tokenProcessorConfig.blockSize` (16) is `blockSizeTokens`; `hashSeed` ("") is `hashSeed`, and
+  llm-d keys blocks by vLLM's `sha256_cbor` hashes: `prefixCachingHashAlgo: sha256_cbor`.
+- `kvCacheBackendConfigs` (`[{name, weight}]`) is `tierWeights`; a tier it does not list weighs
+  1, as in llm-d.
+- `kvEventsConfig.topicFilter` is `topicFilter`; `concurrency` is accepted (the picker applies
+  each engine's events in order on a task of their own).
+- Accepted, with a note: `prefixStoreConfig` (llm-d's cache of tokenized prompts; the picker's is
+  the prefix producer's `tokenCacheTokens`), `kvBlockIndexConfig.inMemoryConfig` (the picker
+  bounds its index per endpoint, `capacityPerEndpoint`), `enableMetrics` and
+  `metricsLoggingInterval` (the picker's index metrics are always on its /metrics).
+- Refused: `kvEventsConfig.zmqEndpoint` (llm-d binds it and the engines connect; the picker
+  connects to each engine's publisher, `kvEventsPort`), the Redis, Valkey and cost-aware index
+  backends, and `tokenizersPoolConfig` (the picker tokenizes once per request in the prefix
+  producer: its `tokenizers` parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from picker.framework.parameters import Parameters, PluginConfigError
+from picker.kvevents.vllm_hash import SHA256_CBOR
+
+LLMD_KEYS = ("indexerConfig", "kvEventsConfig")
+LLMD_HASH_SEED = ""  # tokenProcessorConfig.hashSeed's default: llm-d's first parent is sha256(CBOR(""))
+LLMD_SUBSCRIBER_NOTE = (
+    "llm-d binds its subscriber (tcp://*:5557) for the engines to connect to; the picker connects "
+    "to each engine's publisher at kvEventsPort (5557, where vLLM's default publisher binds)"
+)
+
+LLMD_TOKENIZER_NOTE = (
+    "llm-d tokenizes requests with the model's Hugging Face tokenizer (by default); the picker matches "
+    "token blocks for the models in approx-prefix-cache-producer's `tokenizers` only"
+)
+
+
+def translate(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`raw` with llm-d's `indexerConfig` and `kvEventsConfig` replaced by the picker's
+    parameters of the same meaning, and the notes on what was accepted without effect; `raw`
+    itself when it has neither. A parameter given both ways is an error; with the llm-d form,
+    `prefixCachingHashAlgo` and `hashSeed` default to llm-d's (`sha256_cbor`, "")."""
+    if not any(key in raw for key in LLMD_KEYS):
+        return dict(raw), []
+    given: dict[str, Any] = {}
+    notes = [LLMD_SUBSCRIBER_NOTE, LLMD_TOKENIZER_NOTE]
+    outer = Parameters({key: raw[key] for key in LLMD_KEYS if key in raw})
+    indexer = outer.mapping("indexerConfig")
+    events = outer.mapping("kvEventsConfig")
+    _within("indexerConfig", lambda: _indexer(indexer, given, notes))
+    _within("kvEventsConfig", lambda: _events(events, given))
+    for key in given:
+        if key in raw:
+            raise PluginConfigError(f"{key}: give either it or llm-d's {_SOURCES[key]}, not both")
+    defaults = {"prefixCachingHashAlgo": SHA256_CBOR, "hashSeed": LLMD_HASH_SEED}
+    rest = {key: value for key, value in raw.items() if key not in LLMD_KEYS}
+    return {**defaults, **rest, **given}, notes
+
+
+# The picker's parameter → the llm-d field that gives it.
+_SOURCES = {
+    "blockSizeTokens": "indexerConfig.tokenProcessorConfig.blockSize",
+    "hashSeed": "indexerConfig.tokenProcessorConfig.hashSeed",
+    "tierWeights": "indexerConfig.kvCacheBackendConfigs",
+    "topicFilter": "kvEventsConfig.topicFilter",
+}
+
+
+def _indexer(raw: Mapping[str, Any], given: dict[str, Any], notes: list[str]) -> None:
+    p = Parameters(raw)
+    processor, store, index = (
+        p.mapping(key) for key in ("tokenProcessorConfig", "prefixStoreConfig", "kvBlockIndexConfig")
+    )
+    _within("tokenProcessorConfig", lambda: _token_processor(processor, given))
+    place, reason = "indexerConfig.prefixStoreConfig", "the picker caches tokenized prompts in the prefix producer"
+    _within("prefixStoreConfig", lambda: _unused_sizes(store, ("cacheSize", "blockSize"), place, reason, notes))
+    _within("kvBlockIndexConfig", lambda: _block_index(index, notes))
+    backends = p.mappings("kvCacheBackendConfigs")
+    if backends:
+        given["tierWeights"] = {"gpu": 1.0, "cpu": 1.0} | _tier_weights(backends)
+    if "tokenizersPoolConfig" in raw:
+        raise PluginConfigError(
+            "tokenizersPoolConfig: the picker tokenizes each request once, in the prefix producer: give "
+            "approx-prefix-cache-producer's `tokenizers` (model: tokenizer directory) instead"
+        )
+    p.finish()
+
+
+def _token_processor(raw: Mapping[str, Any], given: dict[str, Any]) -> None:
+    p = Parameters(raw)
+    if "blockSize" in raw:
+        given["blockSizeTokens"] = p.integer("blockSize", 16, at_least=1)
+    if "hashSeed" in raw:
+        given["hashSeed"] = p.string("hashSeed", LLMD_HASH_SEED)
+    p.finish()
+
+
+def _unused_sizes(raw: Mapping[str, Any], names: tuple[str, ...], place: str, reason: str, notes: list[str]) -> None:
+    """A section of positive integers that the picker accepts and does not use (noted, with why)."""
+    p = Parameters(raw)
+    for name in names:
+        p.integer(name, 1, at_least=1)
+    p.finish()
+    if raw:
+        notes.append(f"{place}: accepted, not used: {reason}")
+
+
+def _block_index(raw: Mapping[str, Any], notes: list[str]) -> None:
+    p = Parameters(raw)
+    for backend in ("redisConfig", "valkeyConfig", "costAwareMemoryConfig"):
+        if p.mapping(backend):
+            raise PluginConfigError(
+                f"{backend}: the picker's precise index is in memory, bounded per endpoint "
+                "(capacityPerEndpoint); pickers share what they learn with --state-store"
+            )
+    memory = p.mapping("inMemoryConfig")
+    place, reason = "indexerConfig.kvBlockIndexConfig.inMemoryConfig", "the picker bounds its index per endpoint"
+    _within("inMemoryConfig", lambda: _unused_sizes(memory, ("size", "podCacheSize"), place, reason, notes))
+    p.boolean("enableMetrics", False)
+    p.integer("metricsLoggingInterval", 0, at_least=0)  # nanoseconds, as Go's time.Duration in JSON
+    p.finish()
+    if "enableMetrics" in raw or "metricsLoggingInterval" in raw:
+        notes.append(
+            "indexerConfig.kvBlockIndexConfig: enableMetrics and metricsLoggingInterval are accepted, not used: "
+            "the picker's precise-index metrics are always on its /metrics"
+        )
+
+
+def _events(raw: Mapping[str, Any], given: dict[str, Any]) -> None:
+    p = Parameters(raw)
+    if p.deprecated("zmqEndpoint") is not None:
+        raise PluginConfigError(f"zmqEndpoint: {LLMD_SUBSCRIBER_NOTE}: give kvEventsPort (or null) instead")
+    if "topicFilter" in raw:
+        given["topicFilter"] = p.string("topicFilter", "kv@")
+    p.integer("concurrency", 4, at_least=1)
+    p.finish()
+
+
+def _tier_weights(backends: tuple[Mapping[str, Any], ...]) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for i, backend in enumerate(backends):
+        _within(f"kvCacheBackendConfigs[{i}]", partial(_tier, backend, weights))
+    return weights
+
+
+def _tier(raw: Mapping[str, Any], weights: dict[str, float]) -> None:
+    p = Parameters(raw)
+    weights[p.string("name", "")] = p.number("weight", 0.0)
+    p.finish()
+
+
+def _within(place: str, read: Callable[[], object]) -> None:
+    """`read()`, naming `place` in front of its error."""
+    try:
+        read()
+    except PluginConfigError as error:
+        raise PluginConfigError(f"{place}.{error}") from None
