@@ -1,6 +1,6 @@
 """llm-d's form of `precise-prefix-cache-scorer`'s parameters, in the picker's terms.
 
-llm-d (v0.4.0, its kv-cache manager v0.4.0) configures the scorer with `indexerConfig` (the
+llm-d (v0.4.0, with its kv-cache manager v0.4.0) configures the scorer with `indexerConfig` (the
 indexer: how requests are tokenized and hashed, where block keys are kept, how device tiers
 weigh) and `kvEventsConfig` (the ZMQ subscriber). `translate` turns them into the picker's flat
 parameters of the same meaning, refuses what the picker cannot mean the same way, and says in
