@@ -10,16 +10,15 @@ notes what it accepts without acting on.
   llm-d keys blocks by vLLM's `sha256_cbor` hashes: `prefixCachingHashAlgo: sha256_cbor`.
 - `kvCacheBackendConfigs` (`[{name, weight}]`) is `tierWeights`; a tier it does not list weighs
   1, as in llm-d.
-- `kvEventsConfig.topicFilter` is `topicFilter`; `concurrency` is accepted (the picker applies
-  each engine's events in order on a task of their own).
+- `kvEventsConfig.zmqEndpoint` ("tcp://*:5557") is `kvEventsBindAddress`: the picker binds it and
+  the engines connect to it, as to llm-d's; `topicFilter` is `topicFilter`; `concurrency` is
+  accepted (the picker applies each engine's events in order).
 - Accepted, with a note: `prefixStoreConfig` (llm-d's cache of tokenized prompts; the picker's is
   the prefix producer's `tokenCacheTokens`), `kvBlockIndexConfig.inMemoryConfig` (the picker
   bounds its index per endpoint, `capacityPerEndpoint`), `enableMetrics` and
   `metricsLoggingInterval` (the picker's index metrics are always on its /metrics).
-- Refused: `kvEventsConfig.zmqEndpoint` (llm-d binds it and the engines connect; the picker
-  connects to each engine's publisher, `kvEventsPort`), the Redis, Valkey and cost-aware index
-  backends, and `tokenizersPoolConfig` (the picker tokenizes once per request in the prefix
-  producer: its `tokenizers` parameter).
+- Refused: the Redis, Valkey and cost-aware index backends, and `tokenizersPoolConfig` (the
+  picker tokenizes once per request in the prefix producer: its `tokenizers` parameter).
 """
 
 from __future__ import annotations
@@ -33,10 +32,7 @@ from picker.kvevents.vllm_hash import SHA256_CBOR
 
 LLMD_KEYS = ("indexerConfig", "kvEventsConfig")
 LLMD_HASH_SEED = ""  # tokenProcessorConfig.hashSeed's default: llm-d's first parent is sha256(CBOR(""))
-LLMD_SUBSCRIBER_NOTE = (
-    "llm-d binds its subscriber (tcp://*:5557) for the engines to connect to; the picker connects "
-    "to each engine's publisher at kvEventsPort (5557, where vLLM's default publisher binds)"
-)
+LLMD_BIND_ADDRESS = "tcp://*:5557"  # kvEventsConfig.zmqEndpoint's default
 
 LLMD_TOKENIZER_NOTE = (
     "llm-d tokenizes requests with the model's Hugging Face tokenizer (by default); the picker matches "
@@ -48,11 +44,12 @@ def translate(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """`raw` with llm-d's `indexerConfig` and `kvEventsConfig` replaced by the picker's
     parameters of the same meaning, and the notes on what was accepted without effect; `raw`
     itself when it has neither. A parameter given both ways is an error; with the llm-d form,
-    `prefixCachingHashAlgo` and `hashSeed` default to llm-d's (`sha256_cbor`, "")."""
+    `prefixCachingHashAlgo`, `hashSeed` and, unless `kvEventsPort` is given,
+    `kvEventsBindAddress` default to llm-d's (`sha256_cbor`, "", "tcp://*:5557")."""
     if not any(key in raw for key in LLMD_KEYS):
         return dict(raw), []
     given: dict[str, Any] = {}
-    notes = [LLMD_SUBSCRIBER_NOTE, LLMD_TOKENIZER_NOTE]
+    notes = [LLMD_TOKENIZER_NOTE]
     outer = Parameters({key: raw[key] for key in LLMD_KEYS if key in raw})
     indexer = outer.mapping("indexerConfig")
     events = outer.mapping("kvEventsConfig")
@@ -61,7 +58,9 @@ def translate(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for key in given:
         if key in raw:
             raise PluginConfigError(f"{key}: give either it or llm-d's {_SOURCES[key]}, not both")
-    defaults = {"prefixCachingHashAlgo": SHA256_CBOR, "hashSeed": LLMD_HASH_SEED}
+    defaults: dict[str, Any] = {"prefixCachingHashAlgo": SHA256_CBOR, "hashSeed": LLMD_HASH_SEED}
+    if "kvEventsPort" not in raw:  # the picker's own way to the publishers, else llm-d's
+        defaults["kvEventsBindAddress"] = LLMD_BIND_ADDRESS
     rest = {key: value for key, value in raw.items() if key not in LLMD_KEYS}
     return {**defaults, **rest, **given}, notes
 
@@ -72,6 +71,7 @@ _SOURCES = {
     "hashSeed": "indexerConfig.tokenProcessorConfig.hashSeed",
     "tierWeights": "indexerConfig.kvCacheBackendConfigs",
     "topicFilter": "kvEventsConfig.topicFilter",
+    "kvEventsBindAddress": "kvEventsConfig.zmqEndpoint",
 }
 
 
@@ -137,8 +137,8 @@ def _block_index(raw: Mapping[str, Any], notes: list[str]) -> None:
 
 def _events(raw: Mapping[str, Any], given: dict[str, Any]) -> None:
     p = Parameters(raw)
-    if p.deprecated("zmqEndpoint") is not None:
-        raise PluginConfigError(f"zmqEndpoint: {LLMD_SUBSCRIBER_NOTE}: give kvEventsPort (or null) instead")
+    if "zmqEndpoint" in raw:
+        given["kvEventsBindAddress"] = p.string("zmqEndpoint", LLMD_BIND_ADDRESS)
     if "topicFilter" in raw:
         given["topicFilter"] = p.string("topicFilter", "kv@")
     p.integer("concurrency", 4, at_least=1)

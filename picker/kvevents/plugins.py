@@ -14,6 +14,9 @@ Parameters (llm-d's names where they exist; llm-d's own form, `indexerConfig` an
   `kv_events_address`; null subscribes only endpoints that have one.
 - `kvEventsReplayPort` (none): the publisher's replay ROUTER port; without it a lost message
   makes the endpoint unknown until its cache is cleared.
+- `kvEventsBindAddress` (none): a ZMQ endpoint (`tcp://*:5557`) the picker binds for the engines
+  to connect and publish to, topic `kv@<pod IP>@<model>`, as llm-d's subscriber does; the two
+  ports above are not used then.
 - `topicFilter` ("kv@"), `modelName` (""): the model seeding blocks without a LoRA when the
   topic (`kv@<pod>@<model>`) names none.
 - `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
@@ -102,8 +105,18 @@ class PreciseConfig:
         for key, value in (("kvEventsPort", port), ("kvEventsReplayPort", replay)):
             if value is not None and value > 65535:
                 raise PluginConfigError(f"{key}: must be a port number, got {value}")
+        bind_address = p.string("kvEventsBindAddress", "")
+        if bind_address and "://" not in bind_address:
+            raise PluginConfigError(
+                f'kvEventsBindAddress: must be a ZMQ endpoint such as "tcp://*:5557", got {bind_address!r}'
+            )
+        if bind_address:
+            for key in ("kvEventsPort", "kvEventsReplayPort"):
+                if raw is not None and key in raw:
+                    raise PluginConfigError(f"{key}: not used with kvEventsBindAddress (the engines connect to it)")
         subscriber = SubscriberConfig(
             port=port,
+            bind_address=bind_address or None,
             replay_port=replay,
             topic_filter=p.string("topicFilter", "kv@"),
             model=p.string("modelName", ""),

@@ -59,9 +59,18 @@ def test_backend_configs_are_the_tier_weights_an_unlisted_tier_weighing_one() ->
     assert "tierWeights.disk: unknown tier" in refusal({"indexerConfig": {"kvCacheBackendConfigs": disk}})
 
 
-def test_the_events_config_topic_and_concurrency() -> None:
+def test_the_events_config_binds_its_endpoint_with_its_topic() -> None:
     config = scorer({"kvEventsConfig": {"topicFilter": "kv@pool", "concurrency": 8}}).config
-    assert config.subscriber.topic_filter == "kv@pool" and config.subscriber.port == 5557
+    # llm-d binds its subscriber (by default on tcp://*:5557) and the engines connect to it.
+    assert config.subscriber.topic_filter == "kv@pool" and config.subscriber.bind_address == "tcp://*:5557"
+    config = scorer({"kvEventsConfig": {"zmqEndpoint": "tcp://127.0.0.1:6000"}}).config
+    assert config.subscriber.bind_address == "tcp://127.0.0.1:6000"
+    # The picker's own way to the publishers, beside llm-d's form, is kept.
+    assert scorer({"indexerConfig": {}, "kvEventsPort": 5600}).config.subscriber.bind_address is None
+    assert refusal({"kvEventsConfig": {"zmqEndpoint": "tcp://*:5557"}, "kvEventsPort": 5600}) == (
+        "plugins[0].parameters.kvEventsPort: not used with kvEventsBindAddress (the engines connect to it)"
+    )
+    assert "kvEventsBindAddress: must be a ZMQ endpoint" in refusal({"kvEventsBindAddress": "5557"})
     assert refusal({"kvEventsConfig": {"concurrency": 0}}) == (
         "plugins[0].parameters.kvEventsConfig.concurrency: must be >= 1, got 0"
     )
@@ -79,13 +88,13 @@ def test_accepted_without_effect_with_a_note() -> None:
     notes = "\n".join(load({"indexerConfig": indexer}).notes)
     for field in ("prefixStoreConfig", "inMemoryConfig", "enableMetrics and metricsLoggingInterval"):
         assert f"{field}" in notes and "accepted, not used" in notes, field
-    assert "llm-d binds its subscriber (tcp://*:5557)" in notes
+    assert "Hugging Face tokenizer" in notes
 
 
 @pytest.mark.parametrize(
     ("parameters", "error"),
     [
-        ({"kvEventsConfig": {"zmqEndpoint": "tcp://*:5557"}}, "kvEventsConfig.zmqEndpoint: llm-d binds"),
+        ({"kvEventsConfig": {"zmqEndpoint": 5557}}, "kvEventsConfig.zmqEndpoint: must be a string"),
         ({"indexerConfig": {"kvBlockIndexConfig": {"redisConfig": {"address": "redis:6379"}}}}, "--state-store"),
         ({"indexerConfig": {"tokenizersPoolConfig": {"hf": {"enabled": True}}}}, "`tokenizers`"),
         ({"indexerConfig": {"tokenProcessorConfig": {"blockSize": 0}}}, "tokenProcessorConfig.blockSize: must be >= 1"),
