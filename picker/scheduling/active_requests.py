@@ -53,6 +53,9 @@ class ActiveRequestScorer(Scorer, PreRequest, ResponseComplete):
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> ActiveRequestScorer:
         p = Parameters(parameters)
+        given = (parameters or {}).get("requestTimeout")
+        if given is not None and not isinstance(given, str):  # llm-d's is a string: a number is refused
+            raise PluginConfigError(f'requestTimeout: must be a duration such as "2m", got {given!r}')
         timeout = p.duration("requestTimeout", DEFAULT_REQUEST_TIMEOUT_S)
         if timeout <= 0:
             raise PluginConfigError(f"requestTimeout: must be positive, got {parameters['requestTimeout']!r}")

@@ -7,7 +7,8 @@ SERVING) and logs the scheduler it built ("parsed config": profile handler, each
 filters, scorers with weights and picker) and its prefix index's settings, or exits with its
 error. picker must accept exactly the files llm-d accepts, with that same scheduler as
 `picker config show` resolves it (and the prefix settings llm-d logs), and refuse the others
-naming the parameter llm-d names. Then `picker serve --config-file` runs each file behind Envoy
+naming the parameter llm-d names. Beside llm-d's files, a few written here (`EXTRA_CONFIGS`) do
+the same for llm-d's types and parameters that no file of its uses, and for bad parameters. Then `picker serve --config-file` runs each file behind Envoy
 in front of a `picker sim --pd 1:2` fleet (endpoints labelled with their roles): an accepted file
 serves, and its decisions keep to what it says (decode-filter: never the prefill pod; the prefix
 scorers: a prompt again goes to the pod that holds it); a refused one exits with its error.
@@ -56,6 +57,61 @@ PROMPT = "".join(f"{i:04d}" for i in range(640))
 # Files whose destination is not the pick's own port: data-parallel ranks behind `primaryPort`
 # (8000, where the sim pods do not listen); routed in tests/unit/test_llmd_configs.py instead.
 PRIMARY_PORT_CONFIGS = ("dp-epp-config.yaml",)
+
+
+def one_profile(plugins: list[dict[str, Any]], refs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": plugins,
+        "schedulingProfiles": [{"name": "default", "plugins": refs}],
+    }
+
+
+def alone(plugin_type: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return one_profile([{"type": plugin_type, "parameters": parameters}], [{"pluginRef": plugin_type}])
+
+
+# name → (config, the parameter both refuse it for; None: both accept it)
+EXTRA_CONFIGS: dict[str, tuple[dict[str, Any], str | None]] = {
+    "every-other-llmd-type": (
+        one_profile(
+            [
+                {"type": "by-label", "name": "gpu", "parameters": {"label": "hw", "validValues": ["h100"]}},
+                {
+                    "type": "by-label-selector",
+                    "name": "zone",
+                    "parameters": {"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["b"]}]},
+                },
+                {"type": "load-aware-scorer", "parameters": {"threshold": 64}},
+                {"type": "active-request-scorer", "parameters": {"requestTimeout": "30s"}},
+                {"type": "session-affinity-scorer"},
+                {"type": "no-hit-lru-scorer", "parameters": {"lruSize": 512}},
+                {"type": "prefix-cache-scorer"},
+                {"type": "random-picker"},
+            ],
+            [
+                {"pluginRef": "gpu"},
+                {"pluginRef": "zone"},
+                {"pluginRef": "load-aware-scorer", "weight": 1},
+                {"pluginRef": "active-request-scorer", "weight": 2},
+                {"pluginRef": "session-affinity-scorer", "weight": 3},
+                {"pluginRef": "no-hit-lru-scorer", "weight": 1},
+                {"pluginRef": "prefix-cache-scorer", "weight": 1},
+                {"pluginRef": "random-picker"},
+            ],
+        ),
+        None,
+    ),
+    "by-label-without-label": (alone("by-label", {"validValues": ["x"]}), "label"),
+    "by-label-without-values": (alone("by-label", {"label": "x"}), "validValues"),
+    "by-label-selector-bad-operator": (
+        alone("by-label-selector", {"matchExpressions": [{"key": "a", "operator": "Near", "values": ["b"]}]}),
+        "operator",
+    ),
+    "load-aware-threshold-string": (alone("load-aware-scorer", {"threshold": "high"}), "threshold"),
+    "active-request-timeout-number": (alone("active-request-scorer", {"requestTimeout": 30}), "requestTimeout"),
+}
 
 
 @dataclass(frozen=True)
@@ -221,23 +277,29 @@ def assert_same_meaning(name: str, llmd: LlmdVerdict, shown: str) -> None:
 def test_picker_accepts_what_llmd_accepts_with_the_same_scheduler_and_refuses_what_it_refuses(
     llmd_binary: Path, kube_cluster: KubeCluster, pool_namespace: str, tmp_path: Path
 ) -> None:
-    table = []
+    rows: list[tuple[Path, str | None]] = []
     for path in config_files():
+        rows.append((path, None))  # the parameter: the Go struct field llm-d's JSON error names
+    for name, (config, parameter) in EXTRA_CONFIGS.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        rows.append((path, parameter))
+    verdicts = []
+    for path, parameter in rows:
         llmd = llmd_verdict(llmd_binary, kube_cluster, pool_namespace, path, tmp_path)
         shown = picker_show(path)
-        table.append(f"{path.name}: llm-d {'accepts' if llmd.scheduler else 'refuses'}, picker exit {shown.returncode}")
+        verdicts.append(llmd.scheduler is not None)
         if llmd.scheduler is not None:
             assert shown.returncode == 0, (path.name, shown.stderr)
             assert_same_meaning(path.name, llmd, shown.stdout)
             continue
         assert shown.returncode == 1 and shown.stdout == "", (path.name, shown.stdout)
-        # Both name the same parameter: llm-d's JSON error names its Go struct field.
         field = re.search(r"Go struct field \w+\.(\w+)", llmd.error)
-        assert field is not None, llmd.error
-        (message,) = shown.stderr.splitlines()
-        assert re.fullmatch(rf"plugins\[\d+\]\.parameters\.{field[1]}: .+", message), (path.name, message)
-    assert len(table) == len(config_files()), table
-    assert any("refuses" in row for row in table) and any("accepts" in row for row in table), table
+        parameter = parameter or (field[1] if field else None)
+        assert parameter is not None and parameter in llmd.error, (path.name, llmd.error)
+        (message,) = shown.stderr.splitlines()  # one error: the one llm-d has
+        assert re.fullmatch(rf"plugins\[\d+\]\.parameters\.(\S+\.)?{parameter}: .+", message), (path.name, message)
+    assert True in verdicts and False in verdicts, verdicts
 
 
 def approximates(document: dict[str, Any]) -> bool:

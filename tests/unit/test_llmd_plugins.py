@@ -212,6 +212,9 @@ def test_active_request_scorer_parameters() -> None:
         "plugins[0].parameters.requestTimeout: must be positive, got '0s'"
     )
     assert "requestTimeout" in refusal("active-request-scorer", {"requestTimeout": "soon"})
+    assert refusal("active-request-scorer", {"requestTimeout": 30}) == (
+        "plugins[0].parameters.requestTimeout: must be a duration such as \"2m\", got 30"
+    )
     assert refusal("active-request-scorer", {"timeout": "1m"}) == "plugins[0].parameters.timeout: unknown parameter"
 
 
