@@ -4,6 +4,7 @@ test_llmd_configs.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ from picker.prefix.plugins import PREFIX_MATCH_KEY, PrefixMatch
 from picker.prefix.prompt_blocks import PromptBlocks
 from picker.scheduling.active_requests import ActiveRequestScorer
 from picker.scheduling.labels import ROLE_LABEL
+from tests.unit.test_llmd_configs import director
 
 
 def state(name: str, **labels: str) -> EndpointState:
@@ -213,7 +215,7 @@ def test_active_request_scorer_parameters() -> None:
     )
     assert "requestTimeout" in refusal("active-request-scorer", {"requestTimeout": "soon"})
     assert refusal("active-request-scorer", {"requestTimeout": 30}) == (
-        "plugins[0].parameters.requestTimeout: must be a duration such as \"2m\", got 30"
+        'plugins[0].parameters.requestTimeout: must be a duration such as "2m", got 30'
     )
     assert refusal("active-request-scorer", {"timeout": "1m"}) == "plugins[0].parameters.timeout: unknown parameter"
 
@@ -239,3 +241,22 @@ def test_no_hit_lru_scorer_sends_cold_requests_to_the_least_recently_used() -> N
     assert no_hit_lru_scores(scorer, pods, cold=True) == [0.0, 1.0, 0.5]  # "a" is now the most recent
     assert no_hit_lru_scores(scorer, pods, cold=False) == [0.5, 0.5, 0.5]  # a prefix hit: neutral
     assert no_hit_lru_scores(scorer, pods, cold=True) == [0.5, 0.0, 1.0]  # the hit did not count
+
+
+async def test_active_request_scorer_follows_requests_through_the_director() -> None:
+    """Wired as a picker runs it: the director's pick counts a request at its endpoint until the
+    response ends, so a second request in flight goes to the other endpoint."""
+    config = plugin_config("active-request-scorer").replace(
+        "plugins:", "schedulingProfiles:\n- name: default\n  plugins: [{pluginRef: under-test}]\nplugins:"
+    )
+    d = director(config, [Endpoint("10.0.5.1", 8000), Endpoint("10.0.5.2", 8000)])
+    scorer = d.runtimes.current.plugins["under-test"]
+    assert isinstance(scorer, ActiveRequestScorer)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}).encode()
+    first = await d.route(body, {":path": "/v1/completions"}, None)
+    second = await d.route(body, {":path": "/v1/completions"}, None)
+    assert {first.targets[0], second.targets[0]} == {"10.0.5.1:8000", "10.0.5.2:8000"}
+    assert scorer.active(first.targets[0]) == 1
+    first.finish()
+    second.finish()
+    assert scorer.active(first.targets[0]) == scorer.active(second.targets[0]) == 0
