@@ -17,14 +17,20 @@ notes what it accepts without acting on.
   the prefix producer's `tokenCacheTokens`), `kvBlockIndexConfig.inMemoryConfig` (the picker
   bounds its index per endpoint, `capacityPerEndpoint`), `enableMetrics` and
   `metricsLoggingInterval` (the picker's index metrics are always on its /metrics).
-- Refused: the Redis, Valkey and cost-aware index backends, and `tokenizersPoolConfig` (the
-  picker tokenizes once per request in the prefix producer: its `tokenizers` parameter).
+- `tokenizersPoolConfig.local.modelTokenizerMap` (model: a `tokenizer.json`) configures the
+  prefix producer the loader adds for the scorer (`tokenizers`: model: the file's directory):
+  the picker tokenizes each request once, there. `hf` (Hugging Face downloads, on by default in
+  llm-d), `workersCount` and `minPrefixOverlapRatio` are accepted, not used (noted).
+- Refused: the Redis, Valkey and cost-aware index backends, `uds` tokenizers and the local
+  tokenizers' auto-discovery.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
+from pathlib import PurePath
 from typing import Any
 
 from picker.framework.parameters import Parameters, PluginConfigError
@@ -36,24 +42,36 @@ LLMD_BIND_ADDRESS = "tcp://*:5557"  # kvEventsConfig.zmqEndpoint's default
 
 LLMD_TOKENIZER_NOTE = (
     "llm-d tokenizes requests with the model's Hugging Face tokenizer (by default); the picker matches "
-    "token blocks for the models in approx-prefix-cache-producer's `tokenizers` only"
+    "token blocks for the models with a local tokenizer only (tokenizersPoolConfig.local.modelTokenizerMap, "
+    "or approx-prefix-cache-producer's `tokenizers`)"
 )
 
 
-def translate(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+@dataclass(frozen=True, slots=True)
+class Translated:
+    """The scorer's parameters in the picker's form, the notes on what was accepted without
+    effect, and the parameters for the prefix producer the loader adds (`tokenizers`)."""
+
+    parameters: dict[str, Any]
+    notes: tuple[str, ...] = ()
+    producer_parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def translate(raw: Mapping[str, Any]) -> Translated:
     """`raw` with llm-d's `indexerConfig` and `kvEventsConfig` replaced by the picker's
-    parameters of the same meaning, and the notes on what was accepted without effect; `raw`
-    itself when it has neither. A parameter given both ways is an error; with the llm-d form,
+    parameters of the same meaning; `raw` itself when it has neither. A parameter given both
+    ways is an error; with the llm-d form,
     `prefixCachingHashAlgo`, `hashSeed` and, unless `kvEventsPort` is given,
     `kvEventsBindAddress` default to llm-d's (`sha256_cbor`, "", "tcp://*:5557")."""
     if not any(key in raw for key in LLMD_KEYS):
-        return dict(raw), []
+        return Translated(dict(raw))
     given: dict[str, Any] = {}
+    producer: dict[str, Any] = {}
     notes = [LLMD_TOKENIZER_NOTE]
     outer = Parameters({key: raw[key] for key in LLMD_KEYS if key in raw})
     indexer = outer.mapping("indexerConfig")
     events = outer.mapping("kvEventsConfig")
-    _within("indexerConfig", lambda: _indexer(indexer, given, notes))
+    _within("indexerConfig", lambda: _indexer(indexer, given, producer, notes))
     _within("kvEventsConfig", lambda: _events(events, given))
     for key in given:
         if key in raw:
@@ -62,7 +80,7 @@ def translate(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if "kvEventsPort" not in raw:  # the picker's own way to the publishers, else llm-d's
         defaults["kvEventsBindAddress"] = LLMD_BIND_ADDRESS
     rest = {key: value for key, value in raw.items() if key not in LLMD_KEYS}
-    return {**defaults, **rest, **given}, notes
+    return Translated({**defaults, **rest, **given}, tuple(notes), producer)
 
 
 # The picker's parameter → the llm-d field that gives it.
@@ -75,7 +93,7 @@ _SOURCES = {
 }
 
 
-def _indexer(raw: Mapping[str, Any], given: dict[str, Any], notes: list[str]) -> None:
+def _indexer(raw: Mapping[str, Any], given: dict[str, Any], producer: dict[str, Any], notes: list[str]) -> None:
     p = Parameters(raw)
     processor, store, index = (
         p.mapping(key) for key in ("tokenProcessorConfig", "prefixStoreConfig", "kvBlockIndexConfig")
@@ -87,11 +105,52 @@ def _indexer(raw: Mapping[str, Any], given: dict[str, Any], notes: list[str]) ->
     backends = p.mappings("kvCacheBackendConfigs")
     if backends:
         given["tierWeights"] = {"gpu": 1.0, "cpu": 1.0} | _tier_weights(backends)
-    if "tokenizersPoolConfig" in raw:
-        raise PluginConfigError(
-            "tokenizersPoolConfig: the picker tokenizes each request once, in the prefix producer: give "
-            "approx-prefix-cache-producer's `tokenizers` (model: tokenizer directory) instead"
-        )
+    pool = p.mapping("tokenizersPoolConfig")
+    _within("tokenizersPoolConfig", lambda: _tokenizers_pool(pool, producer, notes))
+    p.finish()
+
+
+def _tokenizers_pool(raw: Mapping[str, Any], producer: dict[str, Any], notes: list[str]) -> None:
+    p = Parameters(raw)
+    if p.mapping("uds"):
+        raise PluginConfigError("uds: the picker tokenizes in its own process: give local.modelTokenizerMap")
+    local, hf = p.mapping("local"), p.mapping("hf")
+    _within("local", lambda: _local_tokenizers(local, producer))
+    _within("hf", lambda: _hf_tokenizers(hf))
+    p.integer("workersCount", 1, at_least=1)
+    p.number("minPrefixOverlapRatio", 0.0, at_least=0, at_most=1)
+    p.finish()
+    reason = "the picker tokenizes each request once, off the event loop, reusing tokenized prefixes"
+    _note_unused(raw, ("workersCount", "minPrefixOverlapRatio"), "indexerConfig.tokenizersPoolConfig", reason, notes)
+
+
+def _local_tokenizers(raw: Mapping[str, Any], producer: dict[str, Any]) -> None:
+    """`modelTokenizerMap` (model: a tokenizer.json file) as the producer's `tokenizers` (model:
+    the directory holding it, whose tokenizer_config.json gives the chat template)."""
+    p = Parameters(raw)
+    for key in ("autoDiscoveryDir", "autoDiscoveryTokenizerFileName"):
+        if p.deprecated(key) is not None:
+            raise PluginConfigError(
+                f"{key}: the picker loads the tokenizers it is given: list them in modelTokenizerMap"
+            )
+    models = p.mapping("modelTokenizerMap")
+    p.finish()
+    tokenizers = {}
+    for model, path in models.items():
+        if not isinstance(path, str) or PurePath(path).name != "tokenizer.json":
+            raise PluginConfigError(f"modelTokenizerMap.{model}: must be the path of a tokenizer.json, got {path!r}")
+        tokenizers[str(model)] = str(PurePath(path).parent)
+    if tokenizers:
+        producer["tokenizers"] = tokenizers
+
+
+def _hf_tokenizers(raw: Mapping[str, Any]) -> None:
+    """Hugging Face downloads (on by default in llm-d): accepted; the picker loads local
+    tokenizers only (`LLMD_TOKENIZER_NOTE`)."""
+    p = Parameters(raw)
+    p.boolean("enabled", True)
+    p.string("huggingFaceToken", "")
+    p.string("tokenizersCacheDir", "")
     p.finish()
 
 
@@ -128,11 +187,15 @@ def _block_index(raw: Mapping[str, Any], notes: list[str]) -> None:
     p.boolean("enableMetrics", False)
     p.integer("metricsLoggingInterval", 0, at_least=0)  # nanoseconds, as Go's time.Duration in JSON
     p.finish()
-    if "enableMetrics" in raw or "metricsLoggingInterval" in raw:
-        notes.append(
-            "indexerConfig.kvBlockIndexConfig: enableMetrics and metricsLoggingInterval are accepted, not used: "
-            "the picker's precise-index metrics are always on its /metrics"
-        )
+    reason = "the picker's precise-index metrics are always on its /metrics"
+    _note_unused(raw, ("enableMetrics", "metricsLoggingInterval"), "indexerConfig.kvBlockIndexConfig", reason, notes)
+
+
+def _note_unused(raw: Mapping[str, Any], keys: tuple[str, ...], place: str, reason: str, notes: list[str]) -> None:
+    """Note the fields of `keys` given in `raw`, accepted without effect, and why."""
+    given = [key for key in keys if key in raw]
+    if given:
+        notes.append(f"{place}: {' and '.join(given)} accepted, not used: {reason}")
 
 
 def _events(raw: Mapping[str, Any], given: dict[str, Any]) -> None:

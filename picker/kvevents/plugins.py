@@ -282,8 +282,8 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
-        flat, notes = translate(parameters)
-        config, effective = PreciseConfig.parse(flat)
+        translated = translate(parameters)
+        config, effective = PreciseConfig.parse(translated.parameters)
         slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
         executor = None
         if config.hash_algorithm != OWN_HASHES:
@@ -294,7 +294,8 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
             )
         scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore), executor)
         scorer.parameters = effective
-        scorer.notes = tuple(notes)
+        scorer.notes = translated.notes
+        scorer.producer_parameters = translated.producer_parameters
         return scorer
 
     async def prepare_async(

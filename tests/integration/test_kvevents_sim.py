@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -30,8 +31,11 @@ from picker.kvevents.plugins import PreciseScorer
 from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.kvevents.vllm_hash import SHA256_CBOR, VllmBlockHasher, external
+from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.telemetry import metrics
+from picker_bench.llmd_epp import write_builtin_tokenizer
+from picker_bench.workloads import VOCAB
 from tests.routing import Router, completion
 
 MODEL = "sim-model"
@@ -371,16 +375,19 @@ def connecting_sim() -> Iterator[tuple[list[Endpoint], str]]:
 
 
 async def test_llmds_form_binds_for_the_engines_and_routes_to_the_pod_whose_events_stored_the_prefix(
-    connecting_sim: tuple[list[Endpoint], str],
+    connecting_sim: tuple[list[Endpoint], str], tmp_path: Path
 ) -> None:
     """llm-d's own form of the scorer's parameters (its indexerConfig and kvEventsConfig): the
     picker binds `zmqEndpoint`, the engines publish there, their sha256_cbor hashes with the seed
-    key the index, and a prompt one pod computed routes there."""
+    key the index, and a prompt one pod computed routes there: token ids, and text that the local
+    tokenizer it names (`tokenizersPoolConfig.local.modelTokenizerMap`) tokenizes as the pods do."""
     pods, bind = connecting_sim
-    parameters = (
-        f"{{indexerConfig: {{tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: '{SEED}'}}}}, "
-        f"kvEventsConfig: {{zmqEndpoint: '{bind}'}}, modelName: {MODEL}, speculativeTTL: 0}}"
+    tokenizer = write_builtin_tokenizer(tmp_path / MODEL)  # the sims' built-in tokenizer's ids
+    indexer = (
+        f"{{tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: '{SEED}'}}, "
+        f"tokenizersPoolConfig: {{local: {{modelTokenizerMap: {{{MODEL}: '{tokenizer}'}}}}}}}}"
     )
+    parameters = f"{{indexerConfig: {indexer}, kvEventsConfig: {{zmqEndpoint: '{bind}'}}, modelName: {MODEL}, speculativeTTL: 0}}"
     router, scorer = precise_router(pods, parameters)
     assert scorer.index.engine_keys  # keyed by the engines' hashes, as llm-d's index is
     prompt = prompts(5)[0]
@@ -394,11 +401,20 @@ async def test_llmds_form_binds_for_the_engines_and_routes_to_the_pod_whose_even
                 await events_flow(client, pod, warmups)
             await client.complete(holder, prompt)
             await until(lambda: scorer.index.score(engine_keys(prompt), [holder.address]) == [1.0], what="the prompt")
-        result = await router.pick(completion(prompt, MODEL), "r-llmd-form")
-        assert result.targets[0].address == holder.address
-        ranked = result.profile_results["default"]
-        scores = dict(zip((c.address for c in ranked.candidates), ranked.scores[scorer.name]))
-        assert scores == {pods[0].address: 0.0, holder.address: 1.0}
+            text = " ".join(VOCAB[i] for i in range(100, 100 + 12 * BLOCK))  # 12 blocks of one token a word
+            text_holder = pods[0]
+            async with http.post(
+                f"http://{text_holder.address}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 2}
+            ) as response:
+                assert response.status == 200
+            text_keys = engine_keys(list(encode(text)))
+            await until(lambda: scorer.index.score(text_keys, [text_holder.address]) == [1.0], what="the text")
+        for body, expected in ((completion(prompt, MODEL), holder), (completion(text, MODEL), text_holder)):
+            result = await router.pick(body, f"r-llmd-form-{expected.port}")
+            assert result.targets[0].address == expected.address
+            ranked = result.profile_results["default"]
+            scores = dict(zip((c.address for c in ranked.candidates), ranked.scores[scorer.name]))
+            assert scores == {pod.address: float(pod == expected) for pod in pods}
     finally:
         await router.runtimes.stop()
 

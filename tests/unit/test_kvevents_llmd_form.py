@@ -4,6 +4,7 @@ accepted with a note, or refused naming it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from picker.config.loader import LoadedConfig, build, parse_text
 from picker.config.schema import ConfigError
 from picker.kvevents.plugins import PreciseScorer
 from picker.kvevents.precise import TierWeights
+from picker_bench.llmd_epp import write_builtin_tokenizer
 
 
 def load(parameters: dict[str, Any]) -> LoadedConfig:
@@ -86,8 +88,12 @@ def test_accepted_without_effect_with_a_note() -> None:
         },
     }
     notes = "\n".join(load({"indexerConfig": indexer}).notes)
-    for field in ("prefixStoreConfig", "inMemoryConfig", "enableMetrics and metricsLoggingInterval"):
-        assert f"{field}" in notes and "accepted, not used" in notes, field
+    for field in (
+        "prefixStoreConfig: accepted",
+        "inMemoryConfig: accepted",
+        "enableMetrics and metricsLoggingInterval accepted",
+    ):
+        assert field in notes, field
     assert "Hugging Face tokenizer" in notes
 
 
@@ -96,7 +102,16 @@ def test_accepted_without_effect_with_a_note() -> None:
     [
         ({"kvEventsConfig": {"zmqEndpoint": 5557}}, "kvEventsConfig.zmqEndpoint: must be a string"),
         ({"indexerConfig": {"kvBlockIndexConfig": {"redisConfig": {"address": "redis:6379"}}}}, "--state-store"),
-        ({"indexerConfig": {"tokenizersPoolConfig": {"hf": {"enabled": True}}}}, "`tokenizers`"),
+        ({"indexerConfig": {"tokenizersPoolConfig": {"uds": {"socketFile": "/t.sock"}}}}, "tokenizersPoolConfig.uds:"),
+        (
+            {"indexerConfig": {"tokenizersPoolConfig": {"local": {"autoDiscoveryDir": "/models"}}}},
+            "local.autoDiscoveryDir: the picker loads the tokenizers it is given",
+        ),
+        (
+            {"indexerConfig": {"tokenizersPoolConfig": {"local": {"modelTokenizerMap": {"m": "/t/vocab.txt"}}}}},
+            "modelTokenizerMap.m: must be the path of a tokenizer.json",
+        ),
+        ({"indexerConfig": {"tokenizersPoolConfig": {"hf": {"enabled": "yes"}}}}, "hf.enabled: must be true or false"),
         ({"indexerConfig": {"tokenProcessorConfig": {"blockSize": 0}}}, "tokenProcessorConfig.blockSize: must be >= 1"),
         ({"indexerConfig": {"tokenProcessorConfig": {"hashSeed": 42}}}, "tokenProcessorConfig.hashSeed: must be a"),
         ({"indexerConfig": {"tokenProcessorConfig": {"seed": "42"}}}, "tokenProcessorConfig.seed: unknown parameter"),
@@ -107,3 +122,27 @@ def test_accepted_without_effect_with_a_note() -> None:
 def test_refused_naming_the_field(parameters: dict[str, Any], error: str) -> None:
     message = refusal(parameters)
     assert message.startswith("plugins[0].parameters.") and error in message, message
+
+
+def test_the_local_tokenizer_map_configures_the_producer_added_for_the_scorer(tmp_path: Path) -> None:
+    tokenizer = write_builtin_tokenizer(tmp_path / "sim-model")  # tokenizer.json + its chat template
+    pool = {"local": {"modelTokenizerMap": {"sim-model": str(tokenizer)}}, "hf": {"enabled": True}, "workersCount": 8}
+    loaded = load({"indexerConfig": {"tokenizersPoolConfig": pool}})
+    producer = {p.name: p for p in loaded.config.plugins}["approx-prefix-cache-producer"]
+    assert producer.parameters["tokenizers"] == {"sim-model": str(tmp_path / "sim-model")}
+    notes = "\n".join(loaded.notes)
+    assert 'it gives the "approx-prefix-cache-producer" added for it its tokenizers' in notes
+    assert "tokenizersPoolConfig: workersCount accepted, not used" in notes
+    # A producer configured in the file would not get them: refused rather than lost.
+    plugin = {"type": "precise-prefix-cache-scorer", "parameters": {"indexerConfig": {"tokenizersPoolConfig": pool}}}
+    document = {
+        "apiVersion": "llm-d.ai/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [{"type": "approx-prefix-cache-producer"}, plugin],
+    }
+    with pytest.raises(ConfigError) as error:
+        build(parse_text(yaml.safe_dump(document)))
+    assert error.value.errors == [
+        'plugins[1] "precise-prefix-cache-scorer": its tokenizers would configure the producer added for it, '
+        "and one is configured: give them to that one"
+    ]
