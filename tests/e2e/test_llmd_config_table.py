@@ -7,8 +7,9 @@ SERVING) and logs the scheduler it built ("parsed config": profile handler, each
 filters, scorers with weights and picker) and its prefix index's settings, or exits with its
 error. picker must accept exactly the files llm-d accepts, with that same scheduler as
 `picker config show` resolves it (and the prefix settings llm-d logs), and refuse the others
-naming the parameter llm-d names. Beside llm-d's files, a few written here (`EXTRA_CONFIGS`) do
-the same for llm-d's types and parameters that no file of its uses, and for bad parameters. Then `picker serve --config-file` runs each file behind Envoy
+naming the parameter llm-d names. Beside llm-d's files, a few written here (`EXTRA_CONFIGS`, and
+its precise sample filled in as the bench runs it) do the same for llm-d's types and parameters
+that no file of its uses, and for bad parameters. Then `picker serve --config-file` runs each file behind Envoy
 in front of a `picker sim --pd 1:2` fleet (endpoints labelled with their roles): an accepted file
 serves, and its decisions keep to what it says (decode-filter: never the prefill pod; the prefix
 scorers: a prompt again goes to the pod that holds it); a refused one exits with its error.
@@ -36,7 +37,7 @@ from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
 from picker_bench.llmd import LLMD, llmd_epp_binary
-from picker_bench.llmd_epp import llmd_env, llmd_flags
+from picker_bench.llmd_epp import llmd_env, llmd_flags, precise_config, write_builtin_tokenizer
 from picker_bench.process import free_port
 from picker_bench.reference_epp import start_reference_epp
 from picker_bench.systems import FleetPod, write_endpoints_file
@@ -229,6 +230,17 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+def precise_filled_in(directory: Path) -> dict[str, Any]:
+    """llm-d's precise sample with what a deployment fills in, as the bench runs it
+    (`picker_bench.llmd_epp.precise_config`: the engines' block size, its subscriber's endpoint,
+    a local tokenizer), the tokenizer by its absolute path."""
+    config = precise_config(16, f"tcp://*:{free_port()}", "sim-model")
+    (scorer,) = [p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    tokenizers = scorer["parameters"]["indexerConfig"]["tokenizersPoolConfig"]
+    tokenizers["local"]["modelTokenizerMap"] = {"sim-model": str(write_builtin_tokenizer(directory / "sim-model"))}
+    return config
+
+
 def llmd_verdict(binary: Path, cluster: KubeCluster, namespace: str, path: Path, log_dir: Path) -> LlmdVerdict:
     """Run llm-d's scheduler with the file until it serves or exits."""
     name = f"llmd-{path.stem}"
@@ -280,7 +292,10 @@ def test_picker_accepts_what_llmd_accepts_with_the_same_scheduler_and_refuses_wh
     rows: list[tuple[Path, str | None]] = []
     for path in config_files():
         rows.append((path, None))  # the parameter: the Go struct field llm-d's JSON error names
-    for name, (config, parameter) in EXTRA_CONFIGS.items():
+    for name, (config, parameter) in {
+        **EXTRA_CONFIGS,
+        "precise-filled-in": (precise_filled_in(tmp_path), None),
+    }.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         rows.append((path, parameter))
