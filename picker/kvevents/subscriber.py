@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _END_OF_REPLAY = -1
 _DRAIN_LIMIT = 16  # queued messages applied in a row before the loop serves anything else
+_BIND_RETRY_S = 0.1  # while a bound subscriber's address is taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,17 +210,22 @@ class KVEventSubscriber:
         self._feeds_by_ip = by_ip
 
     async def _run_bound(self, bind_address: str) -> None:
-        """Read the bound socket, giving each message to the feeds of its topic's IP."""
+        """Bind (retrying while the address is taken: a reloaded config's subscriber starts
+        before the one it replaces stops), then give each message to the feeds of its topic's IP."""
         socket = _sub_socket(self.context, self.config.topic_filter)
         try:
-            socket.bind(bind_address)
-        except zmq.ZMQError as error:
-            log.error("kv events: cannot bind %s for the engines to publish to: %s", bind_address, error)
-            socket.close(0)
-            return
-        log.info("kv events: bound %s for the engines to publish to", bind_address)
-        queued: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
-        try:
+            logged = False
+            while True:
+                try:
+                    socket.bind(bind_address)
+                    break
+                except zmq.ZMQError as error:
+                    if not logged:
+                        log.error("kv events: cannot bind %s yet (retrying): %s", bind_address, error)
+                        logged = True
+                    await asyncio.sleep(_BIND_RETRY_S)
+            log.info("kv events: bound %s for the engines to publish to", bind_address)
+            queued: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
             async for batch in _batches(socket, queued):
                 for frames in batch:
                     for feed in self._feeds_of(frames[0]):

@@ -72,6 +72,8 @@ class Publisher:
             self.port = _bind(self.pub, port)
             self.address = f"tcp://{HOST}:{self.port}"
         else:
+            # Every subscriber's subscription is reported: a new one may come before the old one left.
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self.pub.connect(connect)
             self.port, self.address = 0, connect
         self.router: zmq.asyncio.Socket | None = None
@@ -84,9 +86,13 @@ class Publisher:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     async def subscribed(self) -> None:
-        """Wait for a subscriber's subscription message."""
-        assert await self.pub.poll(5000), "no subscriber connected"
-        assert (await self.pub.recv()).startswith(b"\x01kv@")
+        """Wait for a subscriber's subscription message (past the unsubscription of one that left)."""
+        while True:
+            assert await self.pub.poll(5000), "no subscriber connected"
+            message = await self.pub.recv()
+            if not message.startswith(b"\x00kv@"):
+                assert message.startswith(b"\x01kv@"), message
+                return
 
     def publish(self, *events: KVEvent, lost: bool = False) -> None:
         """Send one batch; `lost` numbers and buffers it without sending (a dropped message)."""
@@ -372,6 +378,27 @@ async def test_a_bound_subscriber_gives_each_engines_events_to_the_endpoints_at_
     assert harness.score(a, PROMPT) == 1.0 and harness.score(b, PROMPT) == 0.0
     assert harness.score(b_rank, OTHER) == 1.0  # both ranks of the pod at 127.0.0.2, as llm-d keys by IP
     assert counter(metrics.KV_EVENT_GAPS, a) == 0 and counter(metrics.KV_EVENT_PUBLISHER_RESTARTS, a) == 0
+
+
+async def test_a_bound_subscriber_whose_address_is_taken_binds_once_it_is_free(harness: Harness) -> None:
+    """A reloaded config's subscriber starts before the one it replaces has stopped: it binds
+    once that one lets the address go, and then gets the engines' events."""
+    bind = f"tcp://{HOST}:{free_port(HOST)}"
+    pod = Endpoint("127.0.0.1", 9710)
+    harness.datastore.set_endpoints([pod])
+    config = SubscriberConfig(bind_address=bind, model=MODEL)
+    old = KVEventSubscriber(PreciseIndex(SIZE), harness.datastore, config, harness.ctx)
+    old.start()
+    harness.subscriber = KVEventSubscriber(harness.index, harness.datastore, config, harness.ctx)
+    harness.subscriber.start()  # the address is the old one's
+    engine = Publisher(harness.ctx, connect=bind)
+    engine.topic = f"kv@127.0.0.1@{MODEL}"
+    harness.publishers.append(engine)
+    await engine.subscribed()  # the old subscriber's
+    await old.stop()
+    await engine.subscribed()  # the new one's, bound now
+    engine.publish(stored(PROMPT))
+    await until(lambda: harness.score(pod.address, PROMPT) == 1.0, what="the new subscriber's events")
 
 
 async def test_endpoints_follow_the_datastore(harness: Harness) -> None:
