@@ -6,8 +6,7 @@ Types of the optional concerns (latency prediction, KV events, disaggregation) a
 name and imported when a config names them (`DeferredFactory`): their modules cost the start a
 fifth of its imports otherwise.
 The reference EPP's types the picker does not have are listed too, with the reason a config
-naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`), and so are llm-d's scorers the picker does not
-have yet (`UNSUPPORTED_LLMD_TYPES`).
+naming one is refused (`UNSUPPORTED_REFERENCE_TYPES`); llm-d v0.4.0's types are all here.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from picker.request.attribute_reporter import RequestAttributeReporter
 from picker.request.parser import OpenAIParser
 from picker.request.passthrough import PassthroughParser
 from picker.request.vllm_grpc import VllmGrpcParser
+from picker.scheduling.active_requests import ActiveRequestScorer
 from picker.scheduling.concurrency import ConcurrencyDetector
 from picker.scheduling.filters import HeaderBasedTestingFilter
 from picker.scheduling.labels import ByLabel, ByLabelSelector, DecodeFilter, PrefillFilter
@@ -60,6 +60,7 @@ REGISTRY = Registry(
         Registration(LoraAffinityScorer.plugin_type, LoraAffinityScorer.create),
         Registration(TokenLoadScorer.plugin_type, TokenLoadScorer.create),
         Registration(LoadAwareScorer.plugin_type, LoadAwareScorer.create),
+        Registration(ActiveRequestScorer.plugin_type, ActiveRequestScorer.create),
         Registration(HeaderBasedTestingFilter.plugin_type, HeaderBasedTestingFilter.create),
         Registration(MaxScorePicker.plugin_type, MaxScorePicker.create),
         Registration(RandomPicker.plugin_type, RandomPicker.create),
@@ -129,11 +130,4 @@ UNSUPPORTED_REFERENCE_TYPES = {
     "k8s-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "endpoint-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "destination-endpoint-served-verifier": "a conformance-test plugin of the reference",
-}
-
-
-# Plugin types llm-d v0.4.0 registers that the picker does not have yet: a config naming one fails
-# with this reason rather than as an unknown type.
-UNSUPPORTED_LLMD_TYPES = {
-    "active-request-scorer": "llm-d's active-request scorer is not implemented yet",
 }

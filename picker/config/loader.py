@@ -45,7 +45,7 @@ from picker.framework.plugin import (
     SaturationDetector,
     Scorer,
 )
-from picker.plugins import REGISTRY, UNSUPPORTED_LLMD_TYPES, UNSUPPORTED_REFERENCE_TYPES
+from picker.plugins import REGISTRY, UNSUPPORTED_REFERENCE_TYPES
 
 DEFAULT_PROFILE = "default"
 DEFAULT_SCORER_WEIGHT = 1.0
@@ -103,6 +103,7 @@ class _Builder:
         self.specs: list[PluginSpec] = []
         self.places: dict[str, str] = {}  # plugin name → where it was configured (or added)
         self.forwarded: set[str] = set()  # plugins whose parameters configured a default producer
+        self.producer_donors: set[str] = set()  # plugins whose producer_parameters one took
         self.plugins: dict[str, Plugin] = {}
 
     # -- plugins -------------------------------------------------------------------------
@@ -113,14 +114,9 @@ class _Builder:
         registration = REGISTRY.lookup(spec.type)
         if registration is None:
             reason = UNSUPPORTED_REFERENCE_TYPES.get(spec.type)
-            llmd_reason = UNSUPPORTED_LLMD_TYPES.get(spec.type)
             if reason is not None:
                 self.errors.append(
                     f'{place}.type: the picker does not support the reference type "{spec.type}": {reason}'
-                )
-            elif llmd_reason is not None:
-                self.errors.append(
-                    f'{place}.type: the picker does not support llm-d\'s type "{spec.type}": {llmd_reason}'
                 )
             else:
                 self.errors.append(f'{place}.type: unknown plugin type "{spec.type}"')
@@ -134,6 +130,7 @@ class _Builder:
             self.errors.append(f'{place}: plugin "{spec.type}" failed to start: {type(error).__name__}: {error}')
             return
         self.plugins[spec.name] = plugin
+        self.notes += [f'{place} "{spec.name}": {note}' for note in plugin.notes]
         self.handle.add_plugin(plugin)
 
     def ensure(self, plugin_type: str, parameters: Mapping[str, Any] | None = None) -> str:
@@ -188,6 +185,7 @@ class _Builder:
         self.flow_control_refs()
         self.default_producers()
         self.unused_producer_parameters()
+        self.undelivered_producer_parameters()
         producers = self.ordered_producers()
         if self.errors:
             raise ConfigError(self.errors)
@@ -255,6 +253,8 @@ class _Builder:
         if len(handlers) > 1:
             self.errors.append(f"plugins: only one profile handler may be configured, found {_quoted(handlers)}")
             return
+        if not handlers and any(spec.name not in self.plugins for spec in self.specs):
+            return  # a plugin that failed to build (its error is reported) may be the handler
         if not handlers and len(profiles) > 1:
             self.errors.append(
                 f"plugins: {len(profiles)} scheduling profiles need a profile handler; none is configured"
@@ -352,7 +352,30 @@ class _Builder:
 
     def producer_parameters(self, key: str, producer_type: str) -> Mapping[str, Any]:
         """The parameters of the default producer added for `key`: those of the last configured
-        plugin consuming `key` whose type configures it (the reference's rule), else none."""
+        plugin consuming `key` whose type configures it (the reference's rule), else none; with
+        the `producer_parameters` of the plugins consuming `key` (which must not disagree)."""
+        parameters = dict(self.donor_parameters(key, producer_type))
+        for spec in self.specs:
+            plugin = self.plugins.get(spec.name)
+            if plugin is None or not plugin.producer_parameters or key not in {k.name for k in plugin.consumes}:
+                continue
+            self.producer_donors.add(spec.name)
+            for name, value in plugin.producer_parameters.items():
+                if parameters.get(name, value) != value:
+                    self.errors.append(
+                        f'{self.places[spec.name]} "{spec.name}": its {name} for the "{producer_type}" added for it '
+                        "differ from another plugin's"
+                    )
+                parameters[name] = value
+            self.notes.append(
+                f'{self.places[spec.name]} "{spec.name}": it gives the "{producer_type}" added for it its '
+                f"{', '.join(plugin.producer_parameters)}"
+            )
+        return parameters
+
+    def donor_parameters(self, key: str, producer_type: str) -> Mapping[str, Any]:
+        """The parameters of the last configured plugin consuming `key` whose type configures the
+        default producer (the reference's rule), noted; else none."""
         donors = [spec for spec in self.specs if self.configures_producer(spec, key)]
         if not donors:
             return {}
@@ -390,6 +413,17 @@ class _Builder:
                     f'{self.places[spec.name]} "{spec.name}": its parameters are not used: they configure only '
                     "the producer added for it, and none was (one is configured, or a later plugin's parameters "
                     "configured it), as in the reference"
+                )
+
+    def undelivered_producer_parameters(self) -> None:
+        """A plugin's `producer_parameters` need the default producer: refuse them where the
+        producer of its data is configured (they would be lost)."""
+        for spec in self.specs:
+            plugin = self.plugins.get(spec.name)
+            if plugin is not None and plugin.producer_parameters and spec.name not in self.producer_donors:
+                self.errors.append(
+                    f'{self.places[spec.name]} "{spec.name}": its {", ".join(plugin.producer_parameters)} would '
+                    "configure the producer added for it, and one is configured: give them to that one"
                 )
 
     def ordered_producers(self) -> tuple[DataProducer, ...]:

@@ -61,6 +61,10 @@ class Plugin(ABC):
     `consumes` lists the CycleState data keys the plugin reads (see `DataProducer`).
     `parameters` are the effective parameters, defaults included, as `picker config show`
     prints them; a factory sets it (e.g. from `Parameters.finish()`), else the raw ones show.
+    `notes` say what the operator should know of how the parameters were read (something
+    accepted that the plugin does not act on); the loader adds them to the config's notes.
+    `producer_parameters` are parameters its own parameters give the default producer the
+    loader adds for the data it consumes (llm-d's precise scorer names its tokenizers so).
     """
 
     plugin_type: str  # a class attribute in every plugin class (one class may serve several types)
@@ -69,6 +73,8 @@ class Plugin(ABC):
     def __init__(self, name: str) -> None:
         self.name = name
         self.parameters: Mapping[str, Any] = {}
+        self.notes: tuple[str, ...] = ()
+        self.producer_parameters: Mapping[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(type={self.plugin_type!r}, name={self.name!r})"

@@ -8,11 +8,15 @@ pick the scorer predicts the target will cache the prompt (speculative entries) 
 request is in flight and `speculativeTTL` after it ends, and records the request's scope so the
 engine's coming events land in it.
 
-Parameters (llm-d's names where they exist):
+Parameters (llm-d's names where they exist; llm-d's own form, `indexerConfig` and
+`kvEventsConfig`, is read as `picker.kvevents.llmd_form` says):
 - `kvEventsPort` (5557): the publisher port on each endpoint's IP, for endpoints without a
   `kv_events_address`; null subscribes only endpoints that have one.
 - `kvEventsReplayPort` (none): the publisher's replay ROUTER port; without it a lost message
   makes the endpoint unknown until its cache is cleared.
+- `kvEventsBindAddress` (none): a ZMQ endpoint (`tcp://*:5557`) the picker binds for the engines
+  to connect and publish to, topic `kv@<pod IP>@<model>`, as llm-d's subscriber does; the two
+  ports above are not used then.
 - `topicFilter` ("kv@"), `modelName` (""): the model seeding blocks without a LoRA when the
   topic (`kv@<pod>@<model>`) names none.
 - `blockSizeTokens` (16): the index's block size; equal to the engine's and the producer's
@@ -59,6 +63,7 @@ from picker.framework.plugin import (
     ScorerCategory,
 )
 from picker.framework.request import InferenceRequest, ResponseOutcome
+from picker.kvevents.llmd_form import translate
 from picker.kvevents.precise import PreciseIndex, Prediction, TierWeights
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.kvevents.vllm_hash import ALGORITHMS, DEFAULT_SEED, VllmBlockHasher
@@ -100,8 +105,18 @@ class PreciseConfig:
         for key, value in (("kvEventsPort", port), ("kvEventsReplayPort", replay)):
             if value is not None and value > 65535:
                 raise PluginConfigError(f"{key}: must be a port number, got {value}")
+        bind_address = p.string("kvEventsBindAddress", "")
+        if bind_address and "://" not in bind_address:
+            raise PluginConfigError(
+                f'kvEventsBindAddress: must be a ZMQ endpoint such as "tcp://*:5557", got {bind_address!r}'
+            )
+        if bind_address:
+            for key in ("kvEventsPort", "kvEventsReplayPort"):
+                if raw is not None and key in raw:
+                    raise PluginConfigError(f"{key}: not used with kvEventsBindAddress (the engines connect to it)")
         subscriber = SubscriberConfig(
             port=port,
+            bind_address=bind_address or None,
             replay_port=replay,
             topic_filter=p.string("topicFilter", "kv@"),
             model=p.string("modelName", ""),
@@ -267,7 +282,8 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
 
     @classmethod
     def create(cls, name: str, parameters: Mapping[str, Any], handle: Handle) -> PreciseScorer:
-        config, effective = PreciseConfig.parse(parameters)
+        translated = translate(parameters)
+        config, effective = PreciseConfig.parse(translated.parameters)
         slot = handle.persistent(f"{_RUNTIME_KEY}:{name}", PreciseRuntimeSlot, PreciseRuntimeSlot.close)
         executor = None
         if config.hash_algorithm != OWN_HASHES:
@@ -278,6 +294,8 @@ class PreciseScorer(DataProducer, Scorer, PreRequest, ResponseComplete, Backgrou
             )
         scorer = cls(name, config, slot, slot.runtime_for(config, handle.datastore), executor)
         scorer.parameters = effective
+        scorer.notes = translated.notes
+        scorer.producer_parameters = translated.producer_parameters
         return scorer
 
     async def prepare_async(

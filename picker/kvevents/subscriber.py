@@ -1,4 +1,5 @@
-"""KV-event subscriber: one ZMQ SUB socket per endpoint, feeding the precise prefix index.
+"""KV-event subscriber: one ZMQ SUB socket per endpoint, feeding the precise prefix index (or
+one bound socket that the engines connect to, as llm-d's subscriber is: see below).
 
 Each endpoint's publisher (vLLM `--kv-events-config`, the picker's simulator) is read by its
 own asyncio task, so one endpoint's events are applied strictly in order. Sequence numbers
@@ -18,13 +19,21 @@ libzmq reconnects a SUB socket by itself when a publisher goes away and comes ba
 monitor tells the feed that it reconnected: the next message then cannot be told apart from
 a new engine's unless its number is exactly the expected one, so any jump is treated as a
 restart. Endpoints removed from the datastore are unsubscribed and forgotten by the index.
+
+With `bind_address` (llm-d's `kvEventsConfig.zmqEndpoint`, e.g. `tcp://*:5557`) the picker binds
+one SUB socket there instead and the engines connect to it and publish (vLLM's
+`--kv-events-config` with that endpoint and the topic `kv@<pod IP>@<model>`): each message goes to
+the endpoints at its topic's IP (all ranks of a data-parallel pod, as llm-d keys by pod IP; a
+topic naming `ip:port` goes to that endpoint only),
+each with its own sequence, as above; a publisher's reconnect is not seen on a bound socket, so
+only a number below the expected one counts as a restart (a jump forward is a gap).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import zmq
@@ -51,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _END_OF_REPLAY = -1
 _DRAIN_LIMIT = 16  # queued messages applied in a row before the loop serves anything else
+_BIND_RETRY_S = 0.1  # while a bound subscriber's address is taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +73,12 @@ class SubscriberConfig:
     see `KVEventSubscriber.replay_address`.
     `model`: the model whose chain seed keys blocks without a LoRA, when the topic
     (`kv@<pod>@<model>`) does not name one.
+    `bind_address`: a ZMQ endpoint to bind for the engines to connect to (then `port` and
+    `replay_port` are not used); None subscribes to each endpoint's publisher.
     """
 
     port: int | None = 5557
+    bind_address: str | None = None
     replay_port: int | None = None
     topic_filter: str = "kv@"
     model: str = ""
@@ -88,6 +101,8 @@ class KVEventSubscriber:
         self._context = context
         self._owns_context = context is None
         self._feeds: dict[str, _Feed] = {}
+        self._feeds_by_ip: dict[str, list[_Feed]] = {}  # with `bind_address`: a topic's IP → its feeds
+        self._bound: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
 
@@ -111,6 +126,8 @@ class KVEventSubscriber:
             self._context = zmq.asyncio.Context()
         self.datastore.add_listener(self._on_endpoints)
         self._on_endpoints({}, self.datastore.endpoints())
+        if self.config.bind_address is not None:
+            self._bound = self._loop.create_task(self._run_bound(self.config.bind_address), name="kv-events bound")
 
     async def stop(self) -> None:
         """Close every subscription and stop following the datastore."""
@@ -118,12 +135,15 @@ class KVEventSubscriber:
             return
         self._started = False
         self.datastore.remove_listener(self._on_endpoints)
-        feeds, self._feeds = list(self._feeds.values()), {}
-        for feed in feeds:
-            feed.task.cancel()
-        for feed in feeds:
+        tasks = [feed.task for feed in self._feeds.values() if feed.task is not None]
+        if self._bound is not None:
+            tasks.append(self._bound)
+        self._feeds, self._feeds_by_ip, self._bound = {}, {}, None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             try:
-                await feed.task
+                await task
             except asyncio.CancelledError:
                 pass
         if self._owns_context and self._context is not None:
@@ -133,7 +153,10 @@ class KVEventSubscriber:
     def publisher_address(self, endpoint: Endpoint, rank: int = 0) -> str | None:
         """The ZMQ address of the endpoint's KV-event publisher, if one is known: its
         `kv_events_address`, else `port` + `rank` on its IP (vLLM's data-parallel rank r
-        publishes on the configured port + r; see `data_parallel_ranks`)."""
+        publishes on the configured port + r; see `data_parallel_ranks`); with `bind_address`,
+        that address, where every engine publishes."""
+        if self.config.bind_address is not None:
+            return self.config.bind_address
         if endpoint.kv_events_address:
             return endpoint.kv_events_address
         if self.config.port is None:
@@ -146,7 +169,7 @@ class KVEventSubscriber:
         A publisher on a port other than `port` (a data-parallel rank) has its replay socket
         shifted by the same amount, as vLLM shifts both.
         """
-        if self.config.replay_port is None:
+        if self.config.replay_port is None or self.config.bind_address is not None:
             return None
         publisher = self.publisher_address(endpoint, rank)
         if publisher is None:
@@ -165,7 +188,8 @@ class KVEventSubscriber:
             endpoint = new.get(address)
             feed = self._feeds[address]
             if endpoint is None or self.publisher_address(endpoint, ranks[address]) != feed.address:
-                feed.task.cancel()
+                if feed.task is not None:
+                    feed.task.cancel()
                 del self._feeds[address]
                 self.index.forget(address)
                 _drop_metrics(address)
@@ -177,8 +201,76 @@ class KVEventSubscriber:
                 continue
             self.index.track(address, self.config.model)
             feed = _Feed(self, address, publisher, self.replay_address(endpoint, ranks[address]))
-            feed.task = self._loop.create_task(feed.run(), name=f"kv-events {address}")
+            if self.config.bind_address is None:
+                feed.task = self._loop.create_task(feed.run(), name=f"kv-events {address}")
             self._feeds[address] = feed
+        by_ip: dict[str, list[_Feed]] = {}
+        for address, feed in self._feeds.items():
+            by_ip.setdefault(new[address].ip, []).append(feed)
+        self._feeds_by_ip = by_ip
+
+    async def _run_bound(self, bind_address: str) -> None:
+        """Bind (retrying while the address is taken: a reloaded config's subscriber starts
+        before the one it replaces stops), then give each message to the feeds of its topic's IP."""
+        socket = _sub_socket(self.context, self.config.topic_filter)
+        try:
+            logged = False
+            while True:
+                try:
+                    socket.bind(bind_address)
+                    break
+                except zmq.ZMQError as error:
+                    if not logged:
+                        log.error("kv events: cannot bind %s yet (retrying): %s", bind_address, error)
+                        logged = True
+                    await asyncio.sleep(_BIND_RETRY_S)
+            log.info("kv events: bound %s for the engines to publish to", bind_address)
+            queued: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+            async for batch in _batches(socket, queued):
+                for frames in batch:
+                    for feed in self._feeds_of(frames[0]):
+                        await feed.receive_safely(frames)
+        finally:
+            socket.close(0)
+
+    def _feeds_of(self, topic: bytes) -> list[_Feed]:
+        """The feeds a bound socket's message is for: those at the topic's pod IP
+        (`kv@<ip>@<model>`), or the one endpoint it names as `ip:port`."""
+        parts = topic.split(b"@", 2)
+        pod = parts[1].decode(errors="replace") if len(parts) > 1 else ""
+        feed = self._feeds.get(pod)
+        return [feed] if feed is not None else self._feeds_by_ip.get(pod, [])
+
+
+def _sub_socket(context: zmq.asyncio.Context, topic_filter: str) -> zmq.asyncio.Socket:
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 100_000)
+    socket.setsockopt(zmq.RECONNECT_IVL, 100)
+    socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
+    socket.setsockopt(zmq.SUBSCRIBE, topic_filter.encode())
+    return socket
+
+
+async def _batches(
+    socket: zmq.asyncio.Socket, queued: zmq.Socket[bytes], pending: Callable[[], bool] = lambda: False
+) -> AsyncIterator[list[list[bytes]]]:
+    """The socket's messages in batches: one awaited, then what is already queued (read through
+    the plain `queued` shadow: the asyncio socket's future per call cost more than decoding a
+    typical message, BENCHMARKS.md, issue 13), at most `_DRAIN_LIMIT`, ending early when
+    `pending()` says something must be seen between two messages."""
+    while True:
+        batch = [await socket.recv_multipart()]
+        while len(batch) < _DRAIN_LIMIT and not pending():
+            try:
+                batch.append(queued.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        yield batch
+        if len(batch) == _DRAIN_LIMIT:
+            # More may be queued, and awaiting a ready socket does not yield: let the request
+            # path run between batches (a 1,000-block message takes ~1 ms).
+            await asyncio.sleep(0)
 
 
 def data_parallel_ranks(endpoints: Iterable[Endpoint]) -> dict[str, int]:
@@ -200,7 +292,7 @@ def data_parallel_ranks(endpoints: Iterable[Endpoint]) -> dict[str, int]:
 class _Feed:
     """The subscription of one endpoint: its socket, its sequence and its metric children."""
 
-    task: asyncio.Task[None]
+    task: asyncio.Task[None] | None = None  # its own socket's reader (none on a bound socket)
 
     def __init__(self, owner: KVEventSubscriber, endpoint: str, address: str, replay_address: str | None) -> None:
         self.owner = owner
@@ -222,12 +314,7 @@ class _Feed:
         self._known.set(1)
 
     async def run(self) -> None:
-        socket = self.owner.context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, 100_000)
-        socket.setsockopt(zmq.RECONNECT_IVL, 100)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
-        socket.setsockopt(zmq.SUBSCRIBE, self.owner.config.topic_filter.encode())
+        socket = _sub_socket(self.owner.context, self.owner.config.topic_filter)
         monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: see every connection
         try:
             socket.connect(self.address)
@@ -239,19 +326,11 @@ class _Feed:
             return
         log.info("kv events: subscribed to %s for %s", self.address, self.endpoint)
         connections = 0
-        # What is already queued is read through plain (shadow) sockets: the asyncio socket's
-        # future per call cost more than decoding a typical message (BENCHMARKS.md, issue 13).
         queued: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         connection_events: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         try:
-            while True:
-                batch = [await socket.recv_multipart()]
-                # A pending connection event ends the batch: the messages after it are told apart.
-                while len(batch) < _DRAIN_LIMIT and not connection_events.poll(0):
-                    try:
-                        batch.append(queued.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
+            # A pending connection event ends a batch: the messages after it are told apart.
+            async for batch in _batches(socket, queued, lambda: bool(connection_events.poll(0))):
                 for frames in batch:
                     # libzmq queues a connection's CONNECTED event before any of its messages.
                     while connection_events.poll(0):
@@ -259,19 +338,19 @@ class _Feed:
                         if event == zmq.EVENT_CONNECTED:
                             connections += 1
                             self.reconnected = connections > 1
-                    try:
-                        await self.receive(frames)
-                    except Exception:  # a bug must not end the subscription; the state is suspect
-                        log.exception("kv events: failed to apply a message from %s", self.endpoint)
-                        self._set_unknown()
-                if len(batch) == _DRAIN_LIMIT:
-                    # More may be queued, and awaiting a ready socket does not yield: let the
-                    # request path run between batches (a 1,000-block message takes ~1 ms).
-                    await asyncio.sleep(0)
+                    await self.receive_safely(frames)
         finally:
             socket.disable_monitor()
             monitor.close(0)
             socket.close(0)
+
+    async def receive_safely(self, frames: list[bytes]) -> None:
+        """`receive`, where a bug does not end the subscription: the state is suspect then."""
+        try:
+            await self.receive(frames)
+        except Exception:
+            log.exception("kv events: failed to apply a message from %s", self.endpoint)
+            self._set_unknown()
 
     async def receive(self, frames: list[bytes]) -> None:
         """Check one message's sequence number, recover what is missing, apply it."""

@@ -192,6 +192,9 @@ class Pick(NamedTuple):
     remote_prefill: bool = False
 
 
+# llm-d's later prefix-cache-scorer with its own KV-event index (`mode: cache_tracking`), which
+# llm-d v0.4.0 (the reference's v1.2.0 scorer) ignores: accepted and ignored alike.
+LLMD_TRACKING_PARAMETERS = ("mode", "kvEventsConfig", "indexerConfig")
 _PICK_KEY = StateKey("approx-prefix-cache-producer/pick", Pick)
 # The answer's chunks as they stream back (`indexResponses`, token-hashed prompts only).
 _RESPONSE_KEY = StateKey("approx-prefix-cache-producer/response", list)
@@ -226,6 +229,8 @@ class PrefixConfig:
             block_size = p.deprecated(key)
             if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
                 raise PluginConfigError(f"{key}: must be an integer, got {block_size!r}")
+        for key in LLMD_TRACKING_PARAMETERS:
+            p.deprecated(key)
         config = cls(
             auto_tune=auto_tune,
             block_size_tokens=p.integer("blockSizeTokens", 16, at_least=1),
@@ -614,6 +619,8 @@ class PrefixCacheScorer(Scorer):
 
     It takes the producer's parameters and uses none itself: they configure the producer the
     loader adds for it (none configured), else they are unused, both as in the reference.
+    llm-d's later `mode: cache_tracking` form (`mode`, `kvEventsConfig`, `indexerConfig`) is
+    accepted and ignored, with a note, as llm-d v0.4.0 ignores it: the scorer approximates.
     """
 
     plugin_type = "prefix-cache-scorer"
@@ -625,6 +632,12 @@ class PrefixCacheScorer(Scorer):
         PrefixConfig.parse(parameters)  # the producer's: validated here, so errors name this plugin
         scorer = cls(name)
         scorer.parameters = dict(parameters or {})  # as given: the producer shows their effect
+        ignored = [key for key in LLMD_TRACKING_PARAMETERS if key in scorer.parameters]
+        if ignored:
+            scorer.notes = (
+                f"{', '.join(ignored)}: ignored, as llm-d v0.4.0 ignores them: this scorer approximates "
+                "(KV events feed precise-prefix-cache-scorer)",
+            )
         return scorer
 
     def score(

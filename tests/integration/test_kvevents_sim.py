@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -26,11 +27,15 @@ import zmq.asyncio
 
 from picker.datastore.endpoint import Endpoint
 from picker.datastore.store import Datastore
+from picker.kvevents.plugins import PreciseScorer
 from picker.kvevents.precise import PreciseIndex
 from picker.kvevents.subscriber import KVEventSubscriber, SubscriberConfig
 from picker.kvevents.vllm_hash import SHA256_CBOR, VllmBlockHasher, external
+from picker.prefix.builtin_tokenizer import encode
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.telemetry import metrics
+from picker_bench.llmd_epp import write_builtin_tokenizer
+from picker_bench.workloads import VOCAB
 from tests.routing import Router, completion
 
 MODEL = "sim-model"
@@ -308,18 +313,12 @@ async def test_a_gap_without_replay_excludes_the_pod_until_its_cache_is_cleared(
         await subscriber.stop()
 
 
-@pytest.mark.parametrize("hashing", ["own", "sha256_cbor"])
-async def test_a_request_goes_to_the_pod_whose_events_stored_its_prefix(sims: dict[str, Sim], hashing: str) -> None:
-    """The scorer from its config, on vLLM-exact events (array layout, sha256_cbor hashes): a
-    prompt one pod computed routes there, keyed by the picker's own hashes or the engines'."""
-    sim = sims["array"]
+def precise_router(pods: list[Endpoint], parameters: str) -> tuple[Router, PreciseScorer]:
+    """A router over `pods` with a config of the precise scorer (`parameters`, a YAML flow
+    mapping) and a max-score picker; and the scorer."""
     datastore = Datastore()
-    datastore.set_endpoints(sim.pods)
+    datastore.set_endpoints(pods)
     router = Router(datastore)
-    parameters = (
-        f"{{kvEventsPort: {sim.kv_port}, kvEventsReplayPort: {sim.replay_port}, modelName: {MODEL}, "
-        f"blockSizeTokens: {BLOCK}, speculativeTTL: 0, prefixCachingHashAlgo: {hashing}, hashSeed: '{SEED}'}}"
-    )
     runtime = router.runtimes.load_text(
         "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n"
         f"- type: precise-prefix-cache-scorer\n  parameters: {parameters}\n- type: max-score-picker\n"
@@ -327,6 +326,20 @@ async def test_a_request_goes_to_the_pod_whose_events_stored_its_prefix(sims: di
         "  plugins: [{pluginRef: precise-prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"
     )
     scorer = runtime.plugins["precise-prefix-cache-scorer"]
+    assert isinstance(scorer, PreciseScorer)
+    return router, scorer
+
+
+@pytest.mark.parametrize("hashing", ["own", "sha256_cbor"])
+async def test_a_request_goes_to_the_pod_whose_events_stored_its_prefix(sims: dict[str, Sim], hashing: str) -> None:
+    """The scorer from its config, on vLLM-exact events (array layout, sha256_cbor hashes): a
+    prompt one pod computed routes there, keyed by the picker's own hashes or the engines'."""
+    sim = sims["array"]
+    parameters = (
+        f"{{kvEventsPort: {sim.kv_port}, kvEventsReplayPort: {sim.replay_port}, modelName: {MODEL}, "
+        f"blockSizeTokens: {BLOCK}, speculativeTTL: 0, prefixCachingHashAlgo: {hashing}, hashSeed: '{SEED}'}}"
+    )
+    router, scorer = precise_router(sim.pods, parameters)
     prompt = prompts(3)[0]
     try:
         await router.runtimes.start()
@@ -344,3 +357,77 @@ async def test_a_request_goes_to_the_pod_whose_events_stored_its_prefix(sims: di
         assert scores == {sim.pods[0].address: 0.0, holder.address: 1.0}
     finally:
         await router.runtimes.stop()
+
+
+@pytest.fixture(scope="module")
+def connecting_sim() -> Iterator[tuple[list[Endpoint], str]]:
+    """Two pods whose engines connect to a subscriber's bound endpoint, as in an llm-d fleet
+    (vLLM's `--kv-events-config` endpoint naming the scheduler), topic `kv@<pod IP>@<model>`."""
+    bind = f"tcp://127.0.0.1:{_free_port_on(['127.0.0.1'], set())}"
+    argv = [sys.executable, "-m", "picker.cli", "sim", "--pods", "2", "--distinct-hosts", "--host", "127.0.0.6"]
+    argv += ["--base-port", "0", "--kv-events-endpoint", bind, "--hash-seed", SEED, "--profile", "tiny"]
+    argv += ["--time-scale", "20", "--model", MODEL]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        yield _read_pods(process), bind
+    finally:
+        _stop(process)
+
+
+async def test_llmds_form_binds_for_the_engines_and_routes_to_the_pod_whose_events_stored_the_prefix(
+    connecting_sim: tuple[list[Endpoint], str], tmp_path: Path
+) -> None:
+    """llm-d's own form of the scorer's parameters (its indexerConfig and kvEventsConfig): the
+    picker binds `zmqEndpoint`, the engines publish there, their sha256_cbor hashes with the seed
+    key the index, and a prompt one pod computed routes there: token ids, and text that the local
+    tokenizer it names (`tokenizersPoolConfig.local.modelTokenizerMap`) tokenizes as the pods do."""
+    pods, bind = connecting_sim
+    tokenizer = write_builtin_tokenizer(tmp_path / MODEL)  # the sims' built-in tokenizer's ids
+    indexer = (
+        f"{{tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: '{SEED}'}}, "
+        f"tokenizersPoolConfig: {{local: {{modelTokenizerMap: {{{MODEL}: '{tokenizer}'}}}}}}}}"
+    )
+    parameters = f"{{indexerConfig: {indexer}, kvEventsConfig: {{zmqEndpoint: '{bind}'}}, modelName: {MODEL}, speculativeTTL: 0}}"
+    router, scorer = precise_router(pods, parameters)
+    assert scorer.index.engine_keys  # keyed by the engines' hashes, as llm-d's index is
+    prompt = prompts(5)[0]
+    warmups = iter(prompts(6))  # of other families than `prompt`
+    holder = pods[1]
+    try:
+        await router.runtimes.start()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+            client = Client(http, scorer.index)
+            for pod in pods:
+                await events_flow(client, pod, warmups)
+            await client.complete(holder, prompt)
+            await until(lambda: scorer.index.score(engine_keys(prompt), [holder.address]) == [1.0], what="the prompt")
+            text = " ".join(VOCAB[i] for i in range(100, 100 + 12 * BLOCK))  # 12 blocks of one token a word
+            text_holder = pods[0]
+            async with http.post(
+                f"http://{text_holder.address}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 2}
+            ) as response:
+                assert response.status == 200
+            text_keys = engine_keys(list(encode(text)))
+            await until(lambda: scorer.index.score(text_keys, [text_holder.address]) == [1.0], what="the text")
+        for body, expected in ((completion(prompt, MODEL), holder), (completion(text, MODEL), text_holder)):
+            result = await router.pick(body, f"r-llmd-form-{expected.port}")
+            assert result.targets[0].address == expected.address
+            ranked = result.profile_results["default"]
+            scores = dict(zip((c.address for c in ranked.candidates), ranked.scores[scorer.name]))
+            assert scores == {pod.address: float(pod == expected) for pod in pods}
+    finally:
+        await router.runtimes.stop()
+
+
+async def events_flow(client: Client, pod: Endpoint, warmups: Iterator[list[int]]) -> None:
+    """Send `pod` new prompts until the index has its events: what an engine publishes before
+    the bound subscriber's subscription reaches it is dropped (ZMQ's slow joiner), as with
+    llm-d's subscriber; the feed then starts from the first message it sees."""
+    for warmup in warmups:
+        await client.complete(pod, warmup)
+        try:
+            await until(lambda: bool(client.index.engine_hashes(pod.address)), timeout=1.0, what="events")
+        except AssertionError:
+            continue
+        return
+    raise AssertionError(f"no KV events from {pod.address}")

@@ -32,7 +32,7 @@ from picker.kvevents.subscriber import (
 )
 from picker.prefix.hashing import chain_seed, token_block_hashes
 from picker.telemetry import metrics
-from picker_bench.process import wait_until
+from picker_bench.process import free_port, wait_until
 from tests.kv_event_encoder import ENCODINGS, Encoding, encode_batch, encode_message
 
 HOST = "127.0.0.1"
@@ -53,8 +53,14 @@ class Publisher:
     """One engine's KV-event publisher: numbered batches, a replay buffer, fault switches."""
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, port: int = 0, replay_port: int | None = None, encoding: Encoding = "positional"
+        self,
+        ctx: zmq.asyncio.Context,
+        port: int = 0,
+        replay_port: int | None = None,
+        encoding: Encoding = "positional",
+        connect: str | None = None,
     ) -> None:
+        """A publisher bound on `port` (0: any), or connected to a bound subscriber at `connect`."""
         self.ctx = ctx
         self.encoding = encoding
         self.topic = f"kv@{HOST}:8000@{MODEL}"
@@ -62,8 +68,14 @@ class Publisher:
         self.buffer: list[tuple[int, bytes]] = []
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self.pub, port)
-        self.address = f"tcp://{HOST}:{self.port}"
+        if connect is None:
+            self.port = _bind(self.pub, port)
+            self.address = f"tcp://{HOST}:{self.port}"
+        else:
+            # Every subscriber's subscription is reported: a new one may come before the old one left.
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self.pub.connect(connect)
+            self.port, self.address = 0, connect
         self.router: zmq.asyncio.Socket | None = None
         self.replay_port: int | None = None
         self._replay_task: asyncio.Task[None] | None = None
@@ -74,9 +86,13 @@ class Publisher:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     async def subscribed(self) -> None:
-        """Wait for a subscriber's subscription message."""
-        assert await self.pub.poll(5000), "no subscriber connected"
-        assert (await self.pub.recv()).startswith(b"\x01kv@")
+        """Wait for a subscriber's subscription message (past the unsubscription of one that left)."""
+        while True:
+            assert await self.pub.poll(5000), "no subscriber connected"
+            message = await self.pub.recv()
+            if not message.startswith(b"\x00kv@"):
+                assert message.startswith(b"\x01kv@"), message
+                return
 
     def publish(self, *events: KVEvent, lost: bool = False) -> None:
         """Send one batch; `lost` numbers and buffers it without sending (a dropped message)."""
@@ -333,6 +349,56 @@ async def test_a_late_joiner_without_replay_starts_empty_but_known(harness: Harn
     pub.publish(stored(OTHER))
     await until(lambda: harness.score(ep, OTHER) == 1.0)
     assert harness.score(ep, PROMPT) == 0.0 and harness.index.is_known(ep)
+
+
+async def test_a_bound_subscriber_gives_each_engines_events_to_the_endpoints_at_its_topics_ip(
+    harness: Harness,
+) -> None:
+    """llm-d's way round: the picker binds, the engines connect and publish with the topic
+    `kv@<pod IP>@<model>`, each numbering its own messages from 0."""
+    bind = f"tcp://{HOST}:{free_port(HOST)}"
+    pods = [Endpoint("127.0.0.1", 9700), Endpoint("127.0.0.2", 9700), Endpoint("127.0.0.2", 9701)]  # their own metrics
+    harness.datastore.set_endpoints(pods)
+    config = SubscriberConfig(bind_address=bind, model=MODEL)
+    harness.subscriber = KVEventSubscriber(harness.index, harness.datastore, config, harness.ctx)
+    harness.subscriber.start()
+    engines = []
+    for ip in ("127.0.0.1", "127.0.0.2", "127.0.0.9"):  # the last one's pod is not in the pool
+        engine = Publisher(harness.ctx, connect=bind)
+        engine.topic = f"kv@{ip}@{MODEL}"
+        harness.publishers.append(engine)
+        await engine.subscribed()
+        engines.append(engine)
+    engines[0].publish(stored(PROMPT))
+    engines[1].publish(stored(OTHER))
+    engines[2].publish(stored(OTHER))
+    engines[0].publish(stored(OTHER))  # its own second message: no gap, no restart
+    a, b, b_rank = (pod.address for pod in pods)
+    await until(lambda: harness.score(a, OTHER) == 1.0 and harness.score(b, OTHER) == 1.0, what="the events")
+    assert harness.score(a, PROMPT) == 1.0 and harness.score(b, PROMPT) == 0.0
+    assert harness.score(b_rank, OTHER) == 1.0  # both ranks of the pod at 127.0.0.2, as llm-d keys by IP
+    assert counter(metrics.KV_EVENT_GAPS, a) == 0 and counter(metrics.KV_EVENT_PUBLISHER_RESTARTS, a) == 0
+
+
+async def test_a_bound_subscriber_whose_address_is_taken_binds_once_it_is_free(harness: Harness) -> None:
+    """A reloaded config's subscriber starts before the one it replaces has stopped: it binds
+    once that one lets the address go, and then gets the engines' events."""
+    bind = f"tcp://{HOST}:{free_port(HOST)}"
+    pod = Endpoint("127.0.0.1", 9710)
+    harness.datastore.set_endpoints([pod])
+    config = SubscriberConfig(bind_address=bind, model=MODEL)
+    old = KVEventSubscriber(PreciseIndex(SIZE), harness.datastore, config, harness.ctx)
+    old.start()
+    harness.subscriber = KVEventSubscriber(harness.index, harness.datastore, config, harness.ctx)
+    harness.subscriber.start()  # the address is the old one's
+    engine = Publisher(harness.ctx, connect=bind)
+    engine.topic = f"kv@127.0.0.1@{MODEL}"
+    harness.publishers.append(engine)
+    await engine.subscribed()  # the old subscriber's
+    await old.stop()
+    await engine.subscribed()  # the new one's, bound now
+    engine.publish(stored(PROMPT))
+    await until(lambda: harness.score(pod.address, PROMPT) == 1.0, what="the new subscriber's events")
 
 
 async def test_endpoints_follow_the_datastore(harness: Harness) -> None:

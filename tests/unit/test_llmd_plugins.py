@@ -4,6 +4,7 @@ test_llmd_configs.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,10 +16,12 @@ from picker.config.schema import ConfigError
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.framework.cycle_state import CycleState
 from picker.framework.plugin import Filter, PreRequest, ProfileRunResult, SchedulingResult, Scorer
-from picker.framework.request import Api, InferenceRequest
+from picker.framework.request import Api, InferenceRequest, ResponseOutcome
 from picker.prefix.plugins import PREFIX_MATCH_KEY, PrefixMatch
 from picker.prefix.prompt_blocks import PromptBlocks
+from picker.scheduling.active_requests import ActiveRequestScorer
 from picker.scheduling.labels import ROLE_LABEL
+from tests.unit.test_llmd_configs import director
 
 
 def state(name: str, **labels: str) -> EndpointState:
@@ -149,11 +152,72 @@ def test_load_aware_scorer_halves_an_empty_queue_and_reaches_zero_at_the_thresho
     assert list(default.score(REQUEST, CycleState(), queues[:1] + [queues[3]])) == [0.5, 0.5 * (1 - 20 / 128)]
 
 
-def test_an_llmd_type_the_picker_does_not_have_is_refused_naming_it() -> None:
-    assert refusal("active-request-scorer", {}) == (
-        'plugins[0].type: the picker does not support llm-d\'s type "active-request-scorer": '
-        "llm-d's active-request scorer is not implemented yet"
+def routed(request_id: str, **picks: EndpointState) -> tuple[InferenceRequest, SchedulingResult]:
+    """A request and its result, picking `picks[profile]` in each profile."""
+    request = InferenceRequest(request_id, Api.COMPLETIONS, "m", "m", prompt_text="hi")
+    runs = {profile: ProfileRunResult((target,)) for profile, target in picks.items()}
+    return request, SchedulingResult(runs, next(iter(picks)))
+
+
+def test_active_request_scorer_prefers_pods_with_fewer_requests_it_sent_and_saw_not_end() -> None:
+    scorer = build(parse_text(plugin_config("active-request-scorer"))).plugins["under-test"]
+    assert isinstance(scorer, ActiveRequestScorer) and scorer.request_timeout_s == 120.0  # llm-d's 2m
+    a, b, c = state("a"), state("bb"), state("ccc")
+    assert scorer.score(REQUEST, CycleState(), [a, b, c]) == [1.0, 1.0, 1.0]
+    sent = [routed("r1", default=a), routed("r2", default=a), routed("r3", default=b)]
+    for request, result in sent:
+        scorer.pre_request(request, result)
+    # (most - count) / most, the most of any pod: a 2, b 1, c none.
+    assert scorer.score(REQUEST, CycleState(), [a, b, c]) == [0.0, 0.5, 1.0]
+    assert scorer.score(REQUEST, CycleState(), [b, c]) == [0.5, 1.0]  # a's count still sets the most
+    request, result = sent[0]
+    scorer.response_complete(request, result, ResponseOutcome(a.address, 200))
+    assert scorer.score(REQUEST, CycleState(), [a, b, c]) == [0.0, 0.0, 1.0]
+    # A request id seen again counts once; its end is counted once.
+    scorer.pre_request(*sent[2])
+    scorer.response_complete(sent[2][0], sent[2][1], ResponseOutcome(b.address, 200))
+    scorer.response_complete(sent[2][0], sent[2][1], ResponseOutcome(b.address, 200))
+    assert (scorer.active(a.address), scorer.active(b.address)) == (1, 0)
+
+
+def test_active_request_scorer_counts_a_pd_request_at_both_picks_until_it_ends() -> None:
+    scorer = ActiveRequestScorer("active")
+    prefill, decode = state("p", **{ROLE_LABEL: "prefill"}), state("dd", **{ROLE_LABEL: "decode"})
+    request, result = routed("pd", decode=decode, prefill=prefill)
+    scorer.pre_request(request, result)
+    assert (scorer.active(prefill.address), scorer.active(decode.address)) == (1, 1)
+    scorer.response_complete(request, result, ResponseOutcome(decode.address, 200))
+    assert (scorer.active(prefill.address), scorer.active(decode.address)) == (0, 0)
+
+
+def test_active_request_scorer_stops_counting_a_request_whose_end_is_not_seen_after_the_timeout() -> None:
+    now = [100.0]
+    scorer = ActiveRequestScorer("active", request_timeout_s=30.0, clock=lambda: now[0])
+    a, b = state("a"), state("bb")
+    scorer.pre_request(*routed("old", default=a))
+    now[0] = 120.0
+    scorer.pre_request(*routed("new", default=b))
+    assert scorer.score(REQUEST, CycleState(), [a, b]) == [0.0, 0.0]
+    now[0] = 130.0  # "old" has counted 30 s
+    assert scorer.score(REQUEST, CycleState(), [a, b]) == [1.0, 0.0]
+    now[0] = 150.0
+    assert scorer.score(REQUEST, CycleState(), [a, b]) == [1.0, 1.0]
+
+
+def test_active_request_scorer_parameters() -> None:
+    config = plugin_config("active-request-scorer", {"requestTimeout": "30s"})
+    loaded = build(parse_text(config))
+    scorer = loaded.plugins["under-test"]
+    assert isinstance(scorer, ActiveRequestScorer) and scorer.request_timeout_s == 30.0
+    assert loaded.config.plugins[0].parameters == {"requestTimeout": "30s"}
+    assert refusal("active-request-scorer", {"requestTimeout": "0s"}) == (
+        "plugins[0].parameters.requestTimeout: must be positive, got '0s'"
     )
+    assert "requestTimeout" in refusal("active-request-scorer", {"requestTimeout": "soon"})
+    assert refusal("active-request-scorer", {"requestTimeout": 30}) == (
+        'plugins[0].parameters.requestTimeout: must be a duration such as "2m", got 30'
+    )
+    assert refusal("active-request-scorer", {"timeout": "1m"}) == "plugins[0].parameters.timeout: unknown parameter"
 
 
 def no_hit_lru_scores(scorer: Scorer, candidates: list[EndpointState], cold: bool) -> list[float]:
@@ -177,3 +241,22 @@ def test_no_hit_lru_scorer_sends_cold_requests_to_the_least_recently_used() -> N
     assert no_hit_lru_scores(scorer, pods, cold=True) == [0.0, 1.0, 0.5]  # "a" is now the most recent
     assert no_hit_lru_scores(scorer, pods, cold=False) == [0.5, 0.5, 0.5]  # a prefix hit: neutral
     assert no_hit_lru_scores(scorer, pods, cold=True) == [0.5, 0.0, 1.0]  # the hit did not count
+
+
+async def test_active_request_scorer_follows_requests_through_the_director() -> None:
+    """Wired as a picker runs it: the director's pick counts a request at its endpoint until the
+    response ends, so a second request in flight goes to the other endpoint."""
+    config = plugin_config("active-request-scorer").replace(
+        "plugins:", "schedulingProfiles:\n- name: default\n  plugins: [{pluginRef: under-test}]\nplugins:"
+    )
+    d = director(config, [Endpoint("10.0.5.1", 8000), Endpoint("10.0.5.2", 8000)])
+    scorer = d.runtimes.current.plugins["under-test"]
+    assert isinstance(scorer, ActiveRequestScorer)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 8}).encode()
+    first = await d.route(body, {":path": "/v1/completions"}, None)
+    second = await d.route(body, {":path": "/v1/completions"}, None)
+    assert {first.targets[0], second.targets[0]} == {"10.0.5.1:8000", "10.0.5.2:8000"}
+    assert scorer.active(first.targets[0]) == 1
+    first.finish()
+    second.finish()
+    assert scorer.active(first.targets[0]) == scorer.active(second.targets[0]) == 0
