@@ -33,10 +33,9 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from picker.scheduling.labels import ROLE_LABEL
-from picker_bench.gobuild import GoModuleUnavailableError
 from picker_bench.kube_cluster import KubeCluster
 from picker_bench.kube_resources import create_pod, put_pool, set_pod_ready
-from picker_bench.llmd import LLMD, llmd_epp_binary
+from picker_bench.llmd import LLMD
 from picker_bench.llmd_epp import llmd_env, llmd_flags, precise_config, write_builtin_tokenizer
 from picker_bench.process import free_port
 from picker_bench.reference_epp import start_reference_epp
@@ -191,14 +190,6 @@ def picker_show(path: Path) -> subprocess.CompletedProcess[str]:
     """`picker config show --config-file PATH`, as a user runs it."""
     argv = [sys.executable, "-m", "picker.cli", "config", "show", "--config-file", str(path)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def llmd_binary() -> Path:
-    try:
-        return llmd_epp_binary()
-    except GoModuleUnavailableError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="module")
