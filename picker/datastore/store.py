@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.rate import EventRate
@@ -112,6 +113,20 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
+            self._snapshot = None
+            self._load_changed()
+
+    def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
+        """Stamp `(address, update_time)` on metrics a scrape found unchanged: they are as fresh
+        as that scrape. Endpoints not in the pool or never scraped are skipped."""
+        metrics = self._metrics
+        refreshed = False
+        for address, update_time in stamps:
+            old = metrics.get(address)
+            if old is not None and address in self._endpoints:
+                metrics[address] = replace(old, update_time=update_time)
+                refreshed = True
+        if refreshed:
             self._snapshot = None
             self._load_changed()
 
