@@ -12,6 +12,7 @@ from picker.datalayer.engines import BUILTIN_ENGINES, EngineSpec
 from picker.datalayer.parse import ParsedPage, parse_page
 from picker.datastore.endpoint import EndpointMetrics
 from picker_bench.metric_pages import sglang_page, triton_page, trtllm_page, vllm_page
+from tests.unit.test_datalayer_parse import PAGE_TOKENS
 
 PREVIOUS = EndpointMetrics(waiting_queue_size=99, kv_cache_usage=0.5, cache_block_size=8, update_time=1.0)
 
@@ -62,37 +63,7 @@ def test_random_bytes_parse_the_same(noise: bytes, engine: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.lists(
-        st.sampled_from(
-            [
-                b"vllm:num_requests_waiting",
-                b"vllm:num_requests_running",
-                b"vllm:lora_requests_info",
-                b"vllm:cache_config_info",
-                b"sglang:num_queue_reqs",
-                b"{",
-                b"}",
-                b'"',
-                b"\\",
-                b"=",
-                b",",
-                b" ",
-                b"\n",
-                b"\r",
-                b"1",
-                b"NaN",
-                b"block_size",
-                b'max_lora="',
-                b"\t",
-                b"_x",
-                b"-3",
-            ]
-        ),
-        max_size=40,
-    ),
-    st.sampled_from(sorted(BUILTIN_ENGINES)),
-)
+@given(st.lists(st.sampled_from(PAGE_TOKENS), max_size=40), st.sampled_from(sorted(BUILTIN_ENGINES)))
 def test_shuffled_tokens_parse_the_same(tokens: list[bytes], engine: str) -> None:
     whole, scanned = _both(b"".join(tokens), BUILTIN_ENGINES[engine])
     assert scanned == whole
