@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.rate import EventRate
@@ -124,7 +123,7 @@ class Datastore:
         for address, update_time in stamps:
             old = metrics.get(address)
             if old is not None and address in self._endpoints:
-                metrics[address] = replace(old, update_time=update_time)
+                metrics[address] = old.stamped(update_time)
                 refreshed = True
         if refreshed:
             self._snapshot = None
