@@ -2,14 +2,19 @@
 //! asyncio loop and the GIL, with only what changed handed to Python.
 //!
 //! One current-thread tokio runtime runs one task per endpoint: a timer (random phase, then the
-//! interval ±10%, woken on ticks of a tenth of the interval), one kept-alive HTTP/1.1 connection (plain http), the request under a
-//! timeout and the page under a size cap. The page is scanned here for the sample lines of the
-//! families the endpoint's engine spec reads (a line that starts with a wanted name followed by
-//! `{`, a space or a tab: the Python scanner's rule); those lines are hashed, and only when the
-//! hash differs from the last scrape's do they cross to Python (`Outcome::Changed`), where
-//! `parse_page` reads them. An unchanged page crosses as a time stamp (`Outcome::Same`), so the
-//! Python cost is one dict update per scrape and one parse per change. Python drains the
-//! outcomes in batches (`Scraper::drain`) once per interval.
+//! interval ±10%, woken on ticks of a tenth of the interval so one wake-up serves every scrape
+//! due in it), one kept-alive HTTP/1.1 connection (plain http), the request under a timeout and
+//! the page under a size cap. A page identical to the last one (`content_hash`, ~1 µs) is not
+//! scanned again; otherwise it is scanned for the sample lines of the families the endpoint's
+//! engine spec reads (a line that starts with a wanted name followed by `{`, a space or a tab:
+//! the Python scanner's rule), and only when those lines differ from the last scrape's do they
+//! cross to Python (`Outcome::Changed`), where `parse_page` reads them. Anything else crosses as
+//! a time stamp (`Outcome::Same`), so the Python cost is one restamp per scrape and one parse
+//! per change. Python drains the outcomes in batches (`Scraper::drain`) once per interval.
+//!
+//! Cost on this 2-core machine (`python -m picker_bench.datalayer --endpoints 256`, static
+//! pages): about 20 µs of this thread's CPU per scrape, kernel included; state per endpoint
+//! about 1 KB (the task, its socket, two hashes, the target), the read buffer only during a read.
 //!
 //! Failures carry the collector's reasons: timeout, connect, disconnect, http_status,
 //! page_too_large, error (no_metrics is Python's verdict on the lines).
