@@ -4,7 +4,8 @@ It reads each request (Content-Length or chunked, as Envoy sends re-emitted bodi
 a fixed small JSON, so that what a benchmark measures is Envoy and the picker, not the backend.
 A request with `"stream":true` is answered as vLLM streams: `max_tokens` SSE events, one word
 each and written one at a time `CHUNK_INTERVAL` apart (so each reaches the gateway on its own),
-then a usage event and `[DONE]`.
+then a usage event and `[DONE]`. With `--metrics`, a `GET /metrics` is answered with a static
+vLLM /metrics page (`picker_bench.metric_pages.vllm_page`), so pickers have real pages to scrape.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _http_chunk(data: bytes) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
+    # The whole answer to GET /metrics (None: answered like any other request).
+    metrics_response: bytes | None = None
+
     def __init__(self) -> None:
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
@@ -66,7 +70,9 @@ class _Connection(asyncio.Protocol):
             request = bytes(self.buffer[:consumed])
             del self.buffer[:consumed]
             assert self.transport is not None
-            if _STREAM_MARK.search(request):
+            if self.metrics_response is not None and request.startswith(b"GET /metrics"):
+                self.transport.write(self.metrics_response)
+            elif _STREAM_MARK.search(request):
                 tokens = _MAX_TOKENS.search(request)
                 self.streaming = asyncio.ensure_future(
                     self._stream(self.streaming, sse_answer(int(tokens.group(1)) if tokens else 16))
@@ -125,8 +131,16 @@ async def serve(host: str, port: int) -> asyncio.AbstractServer:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m picker_bench.backend HOST PORT [PORT ...]`: serve on every port until killed."""
+    """`python -m picker_bench.backend [--metrics] HOST PORT [PORT ...]`: serve on every port until killed."""
     import uvloop
+
+    if argv[:1] == ["--metrics"]:
+        from picker_bench.metric_pages import vllm_page
+
+        page = vllm_page()
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: %d\r\n\r\n"
+        _Connection.metrics_response = head % len(page) + page
+        argv = argv[1:]
 
     async def run() -> None:
         servers = [await serve(argv[0], int(port)) for port in argv[1:]]

@@ -137,3 +137,22 @@ class Core:
     def streams_active(self) -> int: ...
     def enter_graceful_shutdown(self) -> None: ...
     def stop(self, grace: float) -> None: ...
+
+class Scraper:
+    """The metrics scraper (src/scrape.rs): every target's page scraped on its own thread; the
+    sample lines of the target's families cross only when they changed."""
+
+    def __init__(self, *, interval: float, timeout: float, max_concurrency: int, max_page_bytes: int) -> None: ...
+    def add(self, id: int, ip: str, port: int, path: str, families: list[bytes]) -> None:
+        """Scrape `http://ip:port{path}` as target `id`, reading the lines of `families`."""
+    def remove(self, id: int) -> None: ...
+    def drain(
+        self,
+    ) -> tuple[list[tuple[int, bytes, int, float, float]], list[tuple[int, float, float]], list[tuple[int, str, str]]]:
+        """Since the last call: changed `(id, lines, page_bytes, at, took)`, unchanged
+        `(id, at, took)` and failed `(id, reason, detail)` scrapes; `at` on `time.monotonic()`'s
+        clock, `took` in seconds."""
+    def stop(self) -> None: ...
+
+def wanted_lines(page: bytes, families: list[bytes]) -> bytes:
+    """The sample lines of `families` in `page`, as `Scraper` picks them."""

@@ -57,6 +57,21 @@ class EndpointMetrics:
     cache_num_blocks: int = 0  # GPU KV blocks; 0 = unknown
     update_time: float = 0.0  # time.monotonic() of the last successful scrape; 0 = never
 
+    def stamped(self, update_time: float) -> EndpointMetrics:
+        """The same values as of `update_time`: `dataclasses.replace` at half its cost, for the
+        scrapes that find a page unchanged (every endpoint, every interval)."""
+        return EndpointMetrics(
+            self.waiting_queue_size,
+            self.running_requests_size,
+            self.kv_cache_usage,
+            self.active_models,
+            self.waiting_models,
+            self.max_active_models,
+            self.cache_block_size,
+            self.cache_num_blocks,
+            update_time,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EndpointState:

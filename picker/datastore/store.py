@@ -115,6 +115,20 @@ class Datastore:
             self._snapshot = None
             self._load_changed()
 
+    def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
+        """Stamp `(address, update_time)` on metrics a scrape found unchanged: they are as fresh
+        as that scrape. Endpoints not in the pool or never scraped are skipped."""
+        metrics = self._metrics
+        refreshed = False
+        for address, update_time in stamps:
+            old = metrics.get(address)
+            if old is not None and address in self._endpoints:
+                metrics[address] = old.stamped(update_time)
+                refreshed = True
+        if refreshed:
+            self._snapshot = None
+            self._load_changed()
+
     def metrics(self, address: str) -> EndpointMetrics:
         return self._metrics.get(address, _NO_METRICS)
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from picker.datalayer.collector import MetricsCollector
+from picker.datalayer.collector import ERROR_REASONS, MetricsCollector
 from picker.datalayer.engines import ENGINE_LABEL_KEY
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
+from picker.extproc.tls import self_signed_certificate
 from picker_bench.metric_pages import (
     sglang_page,
     triton_page,
@@ -46,9 +49,10 @@ def _bound_socket(host: str) -> socket.socket:
 class PageServer:
     """An aiohttp server answering GET /metrics with `page`; can be told to hang or to chunk."""
 
-    def __init__(self, host: str, page: bytes) -> None:
+    def __init__(self, host: str, page: bytes, ssl_context: ssl.SSLContext | None = None) -> None:
         self.host = host
         self.page = page
+        self.ssl_context = ssl_context
         self.requests = 0
         self.hang = False
         self.chunked = False
@@ -77,7 +81,7 @@ class PageServer:
         await self._runner.setup()
         sock = _bound_socket(self.host)
         self.port = sock.getsockname()[1]
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, ssl_context=self.ssl_context).start()
 
     async def stop(self) -> None:
         self._release.set()
@@ -365,6 +369,38 @@ async def test_servers_that_close_or_refuse_connections_are_errors_not_crashes()
             assert datastore.metrics(endpoint.address) == EndpointMetrics()
 
 
+async def test_close_delimited_pages_and_silently_closed_keep_alive_connections_are_read() -> None:
+    page = vllm_page(waiting=7)
+
+    async def http_1_0(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n" + page)
+        await writer.drain()
+
+    async def one_answer_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        # Says nothing of closing: the client finds the connection closed at its next request.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page) + page)
+        await writer.drain()
+
+    datastore = Datastore()
+    async with AsyncExitStack() as stack:
+        until_close = RawServer("127.0.0.2", http_1_0)
+        closing = RawServer("127.0.0.3", one_answer_per_connection)
+        for server in (until_close, closing):
+            await _serve(stack, server)
+        datastore.set_endpoints([until_close.endpoint, closing.endpoint])
+        await _collect(stack, datastore, interval=0.02)
+        await until(
+            lambda: scrapes(until_close.endpoint.address) >= 5 and scrapes(closing.endpoint.address) >= 5,
+            what="five scrapes of each",
+        )
+        for server in (until_close, closing):
+            assert datastore.metrics(server.endpoint.address).waiting_queue_size == 7
+            assert server.connections >= 5  # a new connection for each scrape
+            assert all(errors(server.endpoint.address, reason) == 0 for reason in ERROR_REASONS)
+
+
 async def test_http_errors_are_counted() -> None:
     datastore = Datastore()
     async with AsyncExitStack() as stack:
@@ -401,6 +437,27 @@ async def test_removed_endpoints_stop_being_scraped_and_added_ones_start() -> No
         stopped_at = stays.requests
         await collector.stop()  # idempotent
         assert stays.requests == stopped_at
+
+
+async def test_https_pages_are_scraped_by_the_event_loop_with_the_same_rules(tmp_path: Path) -> None:
+    key, cert = self_signed_certificate("metrics")
+    (tmp_path / "key.pem").write_bytes(key)
+    (tmp_path / "cert.pem").write_bytes(cert)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    datastore = Datastore()
+    async with AsyncExitStack() as stack:
+        server = PageServer("127.0.0.2", vllm_page(waiting=6, running=2), ssl_context=context)
+        empty = PageServer("127.0.0.3", b"# nothing this picker reads\n", ssl_context=context)
+        for page_server in (server, empty):
+            await _serve(stack, page_server)
+        datastore.set_endpoints([server.endpoint, empty.endpoint])
+        await _collect(stack, datastore, interval=0.05, scheme="https")
+        await until(lambda: datastore.metrics(server.endpoint.address).waiting_queue_size == 6, what="https scrape")
+        assert datastore.metrics(server.endpoint.address).running_requests_size == 2
+        await until(lambda: errors(empty.endpoint.address, "no_metrics") >= 2, what="no_metrics over https")
+        server.page = vllm_page(waiting=8)
+        await until(lambda: datastore.metrics(server.endpoint.address).waiting_queue_size == 8, what="new value")
 
 
 async def test_pool_gauges_count_only_fresh_endpoints() -> None:

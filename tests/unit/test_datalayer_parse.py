@@ -206,33 +206,34 @@ def test_random_bytes_never_raise(noise: bytes, engine: str) -> None:
     parse_page(b"vllm:lora_requests_info{" + noise, BUILTIN_ENGINES[engine])
 
 
+# Pieces of sample lines, shuffled into pages by the property tests here and in test_datalayer_scan.
+PAGE_TOKENS = [
+    b"vllm:num_requests_waiting",
+    b"vllm:num_requests_running",
+    b"vllm:lora_requests_info",
+    b"vllm:cache_config_info",
+    b"sglang:num_queue_reqs",
+    b"{",
+    b"}",
+    b'"',
+    b"\\",
+    b"=",
+    b",",
+    b" ",
+    b"\n",
+    b"\r",
+    b"1",
+    b"NaN",
+    b"block_size",
+    b'max_lora="',
+    b"\t",
+    b"1e400",
+    b"-3",
+    b"_x",
+]
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.sampled_from(
-            [
-                b"vllm:num_requests_waiting",
-                b"vllm:lora_requests_info",
-                b"vllm:cache_config_info",
-                b"{",
-                b"}",
-                b'"',
-                b"\\",
-                b"=",
-                b",",
-                b" ",
-                b"\n",
-                b"1",
-                b"NaN",
-                b"block_size",
-                b'max_lora="',
-                b"\t",
-                b"1e400",
-                b"-3",
-            ]
-        ),
-        max_size=40,
-    )
-)
+@given(st.lists(st.sampled_from(PAGE_TOKENS), max_size=40))
 def test_shuffled_tokens_never_raise(tokens: list[bytes]) -> None:
     parse_page(b"".join(tokens), VLLM)

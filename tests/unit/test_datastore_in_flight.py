@@ -4,6 +4,7 @@ state sync hands it (`set_remote_in_flight`), which every scheduling snapshot ad
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from picker.datastore.endpoint import EndpointMetrics
 from picker.datastore.rate import RATE_MIN_COUNT, RATE_WINDOW_SECONDS
@@ -103,3 +104,19 @@ def test_a_kept_snapshot_follows_every_change_and_is_never_shared() -> None:
     assert view() == [(A, 0, 0, 0), (B, 2, 5, 3)]
     store.set_endpoints(parse_endpoint_flag(B))
     assert view() == [(B, 2, 5, 3)]
+
+
+def test_refreshed_update_times_keep_the_values_and_reach_snapshots() -> None:
+    store = datastore()
+    loads: list[None] = []
+    store.add_load_listener(lambda: loads.append(None))
+    metrics = EndpointMetrics(4, 5, 0.5, frozenset({"a"}), frozenset({"b"}), 2, 16, 100, update_time=1.0)
+    store.set_metrics(A, metrics)
+    assert store.snapshot()[0].metrics_age(3.0) == 2.0
+    loads.clear()
+    # B was never scraped and the third endpoint is not in the pool: both are skipped.
+    store.refresh_update_times([(A, 2.5), (B, 2.5), ("10.0.0.9:8000", 2.5)])
+    assert store.metrics(A) == replace(metrics, update_time=2.5)
+    assert store.metrics(B) == EndpointMetrics()
+    assert [s.metrics_age(3.0) for s in store.snapshot()] == [0.5, float("inf")]
+    assert len(loads) == 1  # one batch, one notice

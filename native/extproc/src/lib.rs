@@ -4,6 +4,7 @@
 mod bridge;
 mod events;
 mod messages;
+mod scrape;
 mod server;
 mod stream;
 
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use bridge::{Answer, Bridge};
 use events::Event;
@@ -168,8 +169,95 @@ impl Core {
     }
 }
 
+/// The metrics scraper (src/scrape.rs): one thread scraping every target's page; Python adds
+/// and removes targets and drains what the scrapes gave.
+#[pyclass(frozen)]
+struct Scraper {
+    inner: Mutex<scrape::Scraper>,
+}
+
+/// `(changed, same, failed)`: `(id, lines, page_bytes, at, took)`, `(id, at, took)`,
+/// `(id, reason, detail)`.
+type Drained<'py> = (
+    Vec<(u64, Bound<'py, PyBytes>, usize, f64, f64)>,
+    Vec<(u64, f64, f64)>,
+    Vec<(u64, &'static str, String)>,
+);
+
+#[pymethods]
+impl Scraper {
+    #[new]
+    #[pyo3(signature = (*, interval, timeout, max_concurrency, max_page_bytes))]
+    fn new(interval: f64, timeout: f64, max_concurrency: usize, max_page_bytes: usize) -> PyResult<Self> {
+        let seconds = |name: &str, value: f64| match Duration::try_from_secs_f64(value) {
+            Ok(duration) if !duration.is_zero() => Ok(duration),
+            _ => Err(PyValueError::new_err(format!(
+                "{name} must be a positive number of seconds"
+            ))),
+        };
+        let settings = scrape::Settings {
+            interval: seconds("interval", interval)?,
+            timeout: seconds("timeout", timeout)?,
+            max_page_bytes,
+        };
+        let inner =
+            scrape::Scraper::start(settings, max_concurrency.max(1)).map_err(|e| PyOSError::new_err(e.to_string()))?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// Scrape `http://ip:port{path}` as target `id` (replacing an earlier `id`), reading the
+    /// sample lines of `families`.
+    fn add(&self, id: u64, ip: String, port: u16, path: &str, families: Vec<Vec<u8>>) {
+        self.inner
+            .lock()
+            .unwrap()
+            .add(scrape::Target::new(id, ip, port, path, families));
+    }
+
+    /// Stop scraping target `id` (a scrape in flight is abandoned).
+    fn remove(&self, id: u64) {
+        self.inner.lock().unwrap().remove(id);
+    }
+
+    /// What the scrapes finished since the last call gave.
+    fn drain<'py>(&self, py: Python<'py>) -> Drained<'py> {
+        let outcomes = self.inner.lock().unwrap().take();
+        let (mut changed, mut same, mut failed) = (Vec::new(), Vec::with_capacity(outcomes.len()), Vec::new());
+        for outcome in outcomes {
+            match outcome {
+                scrape::Outcome::Changed {
+                    id,
+                    lines,
+                    page_bytes,
+                    at,
+                    took,
+                } => changed.push((id, PyBytes::new(py, &lines), page_bytes, at, took)),
+                scrape::Outcome::Same { id, at, took } => same.push((id, at, took)),
+                scrape::Outcome::Failed { id, reason, detail } => failed.push((id, reason, detail)),
+            }
+        }
+        (changed, same, failed)
+    }
+
+    /// End every scrape and the thread (waits for it); idempotent.
+    fn stop(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.detach(|| inner.lock().unwrap().stop());
+    }
+}
+
+/// The sample lines of `families` in `page`, as the scraper picks them (for tests and benches).
+#[pyfunction]
+fn wanted_lines<'py>(py: Python<'py>, page: &[u8], families: Vec<Vec<u8>>) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &scrape::wanted_lines(page, &families))
+}
+
 #[pymodule]
 fn picker_extproc_core(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<Core>()?;
+    module.add_class::<Scraper>()?;
+    module.add_function(wrap_pyfunction!(wanted_lines, module)?)?;
     Event::register(module)
 }

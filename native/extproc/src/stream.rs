@@ -49,7 +49,7 @@ fn violation(what: &str) -> (&'static str, String) {
 }
 
 /// CLOCK_MONOTONIC in seconds: Python's `time.monotonic()` on Linux.
-fn monotonic() -> f64 {
+pub(crate) fn monotonic() -> f64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime writes into a valid timespec.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };

@@ -1,0 +1,240 @@
+"""What an EPP costs as its pool grows: `python -m picker_bench.poolsize [--endpoints 8,64,256,1024]
+[--seconds S] [--idle-seconds S] [--rate R] [--reference-epp PATH] [--json FILE]`.
+
+For each pool size N: N/8 Pods at distinct loopback addresses (127.0.x.y), each with the same 8
+target ports, as a team with large pods would run them. One backend process
+(`picker_bench.backend --metrics`, uvloop) listens on the 8 ports of every address and answers
+both the completions (a fixed small JSON) and GET /metrics (a static 29 KB vLLM page), so the
+EPP's scrapes are real HTTP against real pages; the backend's own CPU is reported beside the
+EPP's. Then, for picker (`picker serve --endpoints`, the default 50 ms scrapes) and, with
+`--reference-epp`, the reference EPP (over a real kube-apiserver, `picker_bench.reference_epp`):
+
+- start to SERVING (process start to its health service answering SERVING);
+- idle CPU in cores over `--idle-seconds`, after the first scrapes (what scraping alone costs),
+  with the scrapes per second the EPP reports (picker only) and its RSS;
+- through Envoy in FULL_DUPLEX_STREAMED mode with response phases (TLS to the EPP) at `--rate`
+  req/s for `--seconds` (2 KB completions): p50/p99, those above Envoy alone's (round robin over
+  the same endpoints) and the EPP's CPU per request beyond its idle CPU.
+
+Each EPP runs alone beside the backend and Envoy; everything shares the machine, so run it quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config
+from picker_bench.overhead import BODY_SIZES, RateResult, body_of, cpu_seconds, fixed_rate
+from picker_bench.process import ManagedProcess, free_port, health_serving, port_open
+from picker_bench.reference_epp import MAX_TARGET_PORTS, ReferenceEpp
+from picker_bench.soak import rss_mib
+from picker_bench.startup import PoolLayout
+
+# After SERVING, the first scrapes of every endpoint (connections opened) before measuring idle.
+WARM_UP_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRow:
+    """One EPP at one pool size."""
+
+    endpoints: int
+    epp: str
+    start_to_serving_s: float
+    idle_cores: float
+    scrapes_per_s: float | None  # picker's own count (picker_scrape_duration_seconds_count)
+    rss_mb: float
+    backend_idle_cores: float  # what serving the /metrics pages cost the backend meanwhile
+    p50_ms: float
+    p99_ms: float
+    added_p50_ms: float
+    added_p99_ms: float
+    cpu_us_per_request: float
+    errors: int
+
+
+def picker_scrapes(metrics_port: int) -> tuple[float, float]:
+    """(successful scrapes so far summed over the endpoints, when): from picker's own /metrics;
+    the time is the middle of the fetch, as rendering a large pool's page takes a while."""
+    began = time.monotonic()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    count = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("picker_scrape_duration_seconds_count{")
+    )
+    return count, (began + time.monotonic()) / 2
+
+
+def idle_cost(
+    pid: int, backend_pid: int, seconds: float, metrics_port: int | None
+) -> tuple[float, float, float | None]:
+    """(EPP cores, backend cores, EPP scrapes per second) over `seconds` with no requests; the
+    CPU excludes the reading of picker's /metrics."""
+    first = picker_scrapes(metrics_port) if metrics_port is not None else None
+    epp, backend, began = cpu_seconds(pid), cpu_seconds(backend_pid), time.monotonic()
+    time.sleep(seconds)  # the measurement itself: the EPP left alone
+    epp, backend = cpu_seconds(pid) - epp, cpu_seconds(backend_pid) - backend
+    wall = time.monotonic() - began
+    rate = None
+    if metrics_port is not None and first is not None:
+        count, when = picker_scrapes(metrics_port)
+        rate = (count - first[0]) / (when - first[1])
+    return epp / wall, backend / wall, rate
+
+
+def under_load(
+    config: dict[str, Any], name: str, pid: int | None, rate: float, seconds: float, work: Path
+) -> tuple[RateResult, float]:
+    """Latency at `rate` req/s through Envoy with `config`, and the CPU seconds `pid` used meanwhile."""
+    envoy = EnvoyProcess(name, config, work).start()
+    try:
+        envoy.wait_ready(envoy.ready)
+        body = body_of(BODY_SIZES["2KB"])
+        url = envoy.url + "/v1/completions"
+        asyncio.run(fixed_rate(url, body, rate, 1.0))  # warm-up: connections, caches
+        before = cpu_seconds(pid) if pid is not None else 0.0
+        began = time.monotonic()
+        result = asyncio.run(fixed_rate(url, body, rate, seconds))
+        used = cpu_seconds(pid) - before if pid is not None else 0.0
+        return result, used / max(time.monotonic() - began, 1e-9) * seconds
+    finally:
+        envoy.stop()
+
+
+def start_picker(layout: PoolLayout, ports: list[int], work: Path) -> tuple[ManagedProcess, int, int, float]:
+    """picker on the pool's endpoints: (process, ext_proc port, metrics port, start to SERVING)."""
+    grpc_port, health, metrics = free_port(), free_port(), free_port()
+    endpoints = ",".join(f"{ip}:{port}" for ip in layout.pod_ips for port in ports)
+    argv = [sys.executable, "-m", "picker.cli", "serve", "--endpoints", endpoints, "--bind-address", "127.0.0.1"]
+    argv += ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health), "--metrics-port", str(metrics)]
+    argv += ["--secure-serving=true", "--enable-pprof=false", "--tracing=false", "--metrics-endpoint-auth=false"]
+    started = time.monotonic()
+    picker = ManagedProcess(f"picker-{layout.endpoints}", argv, work).start()
+    picker.wait_ready(lambda: health_serving("127.0.0.1", health) and port_open("127.0.0.1", grpc_port), timeout=60)
+    return picker, grpc_port, metrics, time.monotonic() - started
+
+
+def measure_pool(
+    endpoints: int, reference_epp: Path | None, rate: float, seconds: float, idle_seconds: float, work: Path
+) -> list[PoolRow]:
+    layout = PoolLayout(endpoints)
+    ports = [free_port("0.0.0.0") for _ in range(MAX_TARGET_PORTS)]
+    processes: list[ManagedProcess] = []
+    rows: list[PoolRow] = []
+    try:
+        # Bound to every address: one listening socket per target port serves all the Pods.
+        backend = ManagedProcess(
+            f"backend-{endpoints}",
+            [sys.executable, "-m", "picker_bench.backend", "--metrics", "0.0.0.0", *map(str, ports)],
+            work,
+        ).start()
+        processes.append(backend)
+        backend.wait_ready(lambda: all(port_open(layout.pod_ips[-1], port) for port in ports))
+        addresses = [f"{ip}:{port}" for ip in layout.pod_ips for port in ports]
+        alone_config = baseline_config("round-robin", ("127.0.0.1", free_port()), addresses, ("127.0.0.1", free_port()))
+        alone, _ = under_load(alone_config, f"envoy-alone-{endpoints}", None, rate, seconds, work)
+
+        def row(epp: str, pid: int, grpc_port: int, serving: float, metrics_port: int | None) -> PoolRow:
+            time.sleep(WARM_UP_SECONDS)  # the first scrapes of every endpoint, before measuring idle
+            idle, backend_idle, scrapes = idle_cost(pid, backend.pid, idle_seconds, metrics_port)
+            config = picker_config(
+                "duplex", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port())
+            )
+            loaded, cpu = under_load(config, f"{epp}-{endpoints}", pid, rate, seconds, work)
+            requests = max(int(rate * seconds), 1)
+            result = PoolRow(
+                endpoints=endpoints,
+                epp=epp,
+                start_to_serving_s=serving,
+                idle_cores=idle,
+                scrapes_per_s=scrapes,
+                rss_mb=rss_mib(pid),
+                backend_idle_cores=backend_idle,
+                p50_ms=loaded.p50_ms,
+                p99_ms=loaded.p99_ms,
+                added_p50_ms=loaded.p50_ms - alone.p50_ms,
+                added_p99_ms=loaded.p99_ms - alone.p99_ms,
+                cpu_us_per_request=(cpu - idle * seconds) / requests * 1e6,
+                errors=loaded.errors,
+            )
+            print(result_line(result), flush=True)
+            return result
+
+        picker, grpc_port, metrics_port, serving = start_picker(layout, ports, work)
+        processes.append(picker)
+        rows.append(row("picker", picker.pid, grpc_port, serving, metrics_port))
+        picker.stop()
+        if reference_epp is not None:
+            reference = ReferenceEpp(reference_epp, layout.pod_ips, ports, True, work)
+            try:
+                reference.start()
+                rows.append(row("reference EPP", reference.pid, reference.grpc_port, reference.startup_seconds, None))
+            finally:
+                reference.stop()
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    return rows
+
+
+def result_line(row: PoolRow) -> str:
+    scrapes = f"{row.scrapes_per_s:7.0f}" if row.scrapes_per_s is not None else "      -"
+    return (
+        f"| {row.endpoints:5} | {row.epp:13} | {row.idle_cores:5.2f} | {scrapes} | {row.backend_idle_cores:5.2f} | "
+        f"{row.cpu_us_per_request:6.0f} | {row.added_p50_ms:6.2f} / {row.added_p99_ms:6.2f} | {row.errors:3} | "
+        f"{row.rss_mb:6.0f} | {row.start_to_serving_s:5.2f} |"
+    )
+
+
+HEADER = (
+    "| endpoints | EPP | idle CPU (cores) | scrapes/s | backend idle CPU (cores) | CPU µs/request "
+    "| added p50 / p99 ms | errors | RSS MB | start -> SERVING s |\n|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m picker_bench.poolsize", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--endpoints", default="8,64,256,1024", help="pool sizes, multiples of 8 (default 8,64,256,1024)"
+    )
+    parser.add_argument("--seconds", type=float, default=15.0, help="length of each fixed-rate run (default 15)")
+    parser.add_argument("--idle-seconds", type=float, default=5.0, help="length of the idle measurement (default 5)")
+    parser.add_argument("--rate", type=float, default=200.0, help="requests per second (default 200)")
+    parser.add_argument("--reference-epp", type=Path, metavar="PATH", help="also run the reference EPP's binary")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON to FILE")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(n) for n in args.endpoints.split(",")]
+        for n in sizes:
+            PoolLayout(n)
+    except ValueError as exc:
+        parser.error(f"--endpoints: {exc}")
+    if args.seconds <= 0 or args.idle_seconds <= 0 or args.rate <= 0:
+        parser.error("--seconds, --idle-seconds and --rate must be positive")
+    print(
+        f"{args.rate:g} req/s of 2 KB completions for {args.seconds:g} s through Envoy (FULL_DUPLEX + response, TLS); "
+        f"idle over {args.idle_seconds:g} s; pages served by picker_bench.backend --metrics (uvloop)"
+    )
+    print(HEADER, flush=True)
+    rows: list[PoolRow] = []
+    with tempfile.TemporaryDirectory(prefix="picker-poolsize-") as tmp:
+        for n in sizes:
+            rows += measure_pool(n, args.reference_epp, args.rate, args.seconds, args.idle_seconds, Path(tmp))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
