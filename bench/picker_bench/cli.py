@@ -20,6 +20,7 @@ from picker_bench import workloads
 from picker_bench.capacity import CapacityPlan, Slo, run_capacity, terminal_text
 from picker_bench.kube_cluster import KUBE_VERSION, MissingBinaryError, cached_binary, etcd_binary
 from picker_bench.llmd_epp import precise_hash_seed
+from picker_bench.placement import placement_of, placement_text
 from picker_bench.reference_epp import MAX_TARGET_PORTS
 from picker_bench.runner import BenchPlan, bounds_of, run
 from picker_bench.systems import EPP_KINDS, KINDS, FleetOptions, SystemSpec, parse_systems
@@ -159,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--bounds-only",
         action="store_true",
         help="print what no router can beat on this workload and fleet (infinite- and fleet-cache "
-        "hit ratio, the LRU fleet reference, TTFT floor) and exit without starting anything",
+        "hit ratio, the LRU fleet reference, TTFT floor) and what placement alone does for hits "
+        "(picker_bench.placement), and exit without starting anything",
     )
     p.add_argument("--workload", required=True, help=f"{' | '.join(WORKLOADS)} | PATH to a Mooncake JSONL trace")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out)")
@@ -644,5 +646,7 @@ def main(argv: list[str]) -> int:
             f"LRU fleet {bounds.lru_hit_ratio:.1%}, "
             f"TTFT floor {reports.floor_text(bounds.ttft_floor_s)}, E2E floor {reports.floor_text(bounds.e2e_floor_s)}"
         )
+        if plan.fleet.pods >= 2:
+            print(placement_text(placement_of(plan.sessions, plan.fleet)))
         return 0
     return execute(plan)
