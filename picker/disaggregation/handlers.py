@@ -204,6 +204,8 @@ class PredictedPdProfileHandler(PdProfileHandler):
     itself (nothing to stall, no transfer to wait for), a busy one hands it over unless the
     prefill pods are queued deeper than the stall is worth; a prefill pod holding the prefix
     makes the remote side cheap. Both predictions go to the explain map (`pd_decision`).
+    The prefill pods' rates are learnt from the disaggregated answers (the prefix producer takes
+    the predicted transfer and the decode pod's first step off their TTFT).
     """
 
     consumes = frozenset({PREFIX_MATCH_KEY})
