@@ -198,7 +198,9 @@ class PredictedPdProfileHandler(PdProfileHandler):
       shares the decode pod's engine steps, and every running request waits for it;
     - remote: the predicted TTFT on the prefill pick (its queue, the prefill of what *it* does not
       hold), plus the KV transfer of the tokens the decode pod lacks at
-      `kvTransferTokensPerSecond` (250,000), plus one more request overhead (the second hop).
+      `kvTransferTokensPerSecond` (250,000), plus the decode pod's first step (the second hop):
+      the model's learnt overhead, a request's TTFT when nothing is queued or prefilled, which
+      the prefix producer also takes off a disaggregated TTFT to learn the prefill pod's share.
 
     The request is disaggregated when remote < local: an idle decode pod prefills a cold prompt
     itself (nothing to stall, no transfer to wait for), a busy one hands it over unless the
@@ -238,7 +240,7 @@ class PredictedPdProfileHandler(PdProfileHandler):
         local = model.estimate(decode, prompt, decode_cached, now, self.interference_weight)
         remote = model.estimate(prefill_pod, prompt, prefill_cached, now)
         transfer = self.transfer_seconds(prompt, decode_cached)
-        remote_seconds = remote.seconds + transfer + remote.overhead_seconds
+        remote_seconds = remote.seconds + transfer + model.overhead_seconds
         disaggregate = remote_seconds < local.cost_seconds
         cycle_state.explain()[PD_DECISION] = {
             "local_seconds": local.cost_seconds,

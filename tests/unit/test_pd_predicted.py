@@ -132,6 +132,20 @@ async def test_the_interference_weight_and_transfer_rate_move_the_decision() -> 
     assert (await fleet.decide(prompt("f")))[0] is None
 
 
+async def test_the_second_hop_costs_the_learnt_overhead() -> None:
+    # The decode pod's first step after the transfer: what a request with nothing queued or
+    # prefilled takes, as learnt (the same the producer takes off a disaggregated TTFT).
+    fleet = Fleet(config())
+    now = [0.0]
+    fleet.model.clock = lambda: now[0]
+    _, before = await fleet.decide(prompt("n"))
+    now[0] += 60.0  # the first prompt's backlog has drained
+    fleet.model.overhead_seconds = 0.2
+    _, after = await fleet.decide(prompt("o"))
+    assert after["remote_seconds"] - before["remote_seconds"] == pytest.approx(0.2 - 0.01)
+    assert after["local_seconds"] == pytest.approx(before["local_seconds"])
+
+
 async def test_the_prefill_pod_holding_the_prefix_is_chosen_and_makes_the_remote_side_cheap() -> None:
     fleet = Fleet(config())
     now = [0.0]
