@@ -544,7 +544,9 @@ class ApproxPrefixCacheProducer(
             if ttft is not None:
                 ttft -= pick.transfer_seconds + self.ttft.overhead_seconds
                 cached = min(pick.prefill_cached_tokens, usage.prompt_tokens)
-                self._observe(result, pick.prefill_address, ttft, usage.prompt_tokens, cached, pick.prefill_work_ahead)
+                self._observe(
+                    result, pick.prefill_address, ttft, usage.prompt_tokens, cached, pick.prefill_work_ahead, True
+                )
             return
         model = request.target_model
         cached = min(usage.cached_tokens, usage.prompt_tokens)
@@ -563,11 +565,13 @@ class ApproxPrefixCacheProducer(
         prompt_tokens: int,
         cached_tokens: int,
         work_ahead: float,
+        remote_prefill: bool = False,
     ) -> None:
-        """Teach the TTFT model (and the other pickers' with `--state-store`) one TTFT at `address`."""
-        self.ttft.observe(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead)
+        """Teach the TTFT model (and the other pickers' with `--state-store`) one TTFT at `address`
+        (`remote_prefill`: a prefill pod's share of a disaggregated TTFT, see `TtftModel.observe`)."""
+        self.ttft.observe(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead, remote_prefill)
         if self.shared_ttft is not None:
-            self.shared_ttft.observed(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead)
+            self.shared_ttft.observed(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead, remote_prefill)
         result.cycle_state.explain()[OBSERVED_TTFT] = {
             "endpoint": address,
             "seconds": ttft_seconds,

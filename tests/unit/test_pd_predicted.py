@@ -232,6 +232,20 @@ async def test_a_disaggregated_answer_teaches_the_prefill_pod_its_share_of_the_t
     assert model.rates(prefill_pod).prefill_tokens_per_second == pytest.approx(12_000, rel=0.01)
 
 
+async def test_a_short_disaggregated_answer_teaches_no_overhead() -> None:
+    # A prefill pod's share of a disaggregated TTFT is the client's less a predicted transfer and
+    # second hop, after a queue the picker barely sees there: for a short prompt, that is no
+    # measure of the per-request overhead (it would teach the queue wait as overhead).
+    fleet = Fleet(config())
+    fleet.load(DECODE_PODS, running=200)  # a short prompt's stall is then worth a transfer
+    routed = await route(fleet.director, prompt("p", 200))
+    assert routed.result is not None and prefill_pick(routed) is not None
+    outcome = ResponseOutcome(routed.destination, 200, 0.6, usage=Usage(prompt_tokens=40, cached_tokens=32))
+    fleet.producer.response_complete(routed.request, routed.result, outcome)
+    assert fleet.model.overhead_samples == 0 and fleet.model.overhead_seconds == 0.01
+    assert fleet.model.pool.prefill_samples == 0
+
+
 async def test_prefill_pods_are_predicted_at_their_own_rate_after_disaggregated_answers() -> None:
     # Short chats on the decode pods taught the pool a fast rate; the prefill pods, which answer
     # only through disaggregated requests, take 7,500-token prompts at 12,000 tokens/s.
