@@ -34,6 +34,7 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.plugins import (
+    KV_TRANSFER_SECONDS_KEY,
     PREFIX_MATCH_KEY,
     ProducerTtftModel,
     expected_cached_tokens,
@@ -84,6 +85,8 @@ class PdProfileHandler(ProfileHandler):
     """
 
     plugin_type = "pd-profile-handler"
+    # Only to learn the prefill pods' rates from a disaggregated TTFT (llm-d's rule takes no rate).
+    transfer_tokens_per_second = DEFAULT_KV_TRANSFER_TOKENS_PER_SECOND
 
     def __init__(self, name: str, threshold: int, decode_profile: str, prefill_profile: str, primary_port: int) -> None:
         super().__init__(name)
@@ -156,8 +159,10 @@ class PdProfileHandler(ProfileHandler):
         if self.primary_port:
             set_upstream_header(cycle_state, DATA_PARALLEL_HEADER, decode.targets[0].address)
         prefill = results.get(self.prefill_profile)
-        if prefill is not None and self.disaggregates(request, cycle_state, decode.targets[0], prefill):
+        transfer = None if prefill is None else self.disaggregates(request, cycle_state, decode.targets[0], prefill)
+        if prefill is not None and transfer is not None:
             final[self.prefill_profile] = prefill
+            cycle_state[KV_TRANSFER_SECONDS_KEY] = transfer  # the prefix producer learns with it
             _PREFILL_DECODE.inc()
         else:
             if prefill is None and self.prefill_profile in results:
@@ -168,9 +173,15 @@ class PdProfileHandler(ProfileHandler):
 
     def disaggregates(
         self, request: InferenceRequest, cycle_state: CycleState, decode: EndpointState, prefill: ProfileRunResult
-    ) -> bool:
-        """Whether the prefill profile's pick prefills the request (llm-d: whenever it ran)."""
-        return True
+    ) -> float | None:
+        """The predicted KV transfer seconds when the prefill profile's pick prefills the request
+        (llm-d: whenever it ran), None when the decode pick prefills it."""
+        prompt, (decode_cached,) = prompt_and_cached_tokens(request, cycle_state, [decode])
+        return self.transfer_seconds(prompt, decode_cached)
+
+    def transfer_seconds(self, prompt_tokens: int, decode_cached_tokens: int) -> float:
+        """Predicted seconds the decode pod takes to pull the prompt's KV blocks it lacks."""
+        return max(0, prompt_tokens - decode_cached_tokens) / self.transfer_tokens_per_second
 
 
 class PredictedPdProfileHandler(PdProfileHandler):
@@ -187,12 +198,16 @@ class PredictedPdProfileHandler(PdProfileHandler):
       shares the decode pod's engine steps, and every running request waits for it;
     - remote: the predicted TTFT on the prefill pick (its queue, the prefill of what *it* does not
       hold), plus the KV transfer of the tokens the decode pod lacks at
-      `kvTransferTokensPerSecond` (250,000), plus one more request overhead (the second hop).
+      `kvTransferTokensPerSecond` (250,000), plus the decode pod's first step (the second hop):
+      the model's learnt overhead, a request's TTFT when nothing is queued or prefilled, which
+      the prefix producer also takes off a disaggregated TTFT to learn the prefill pod's share.
 
     The request is disaggregated when remote < local: an idle decode pod prefills a cold prompt
     itself (nothing to stall, no transfer to wait for), a busy one hands it over unless the
     prefill pods are queued deeper than the stall is worth; a prefill pod holding the prefix
     makes the remote side cheap. Both predictions go to the explain map (`pd_decision`).
+    The prefill pods' rates are learnt from the disaggregated answers (the prefix producer takes
+    the predicted transfer and the decode pod's first step off their TTFT).
     """
 
     consumes = frozenset({PREFIX_MATCH_KEY})
@@ -215,24 +230,24 @@ class PredictedPdProfileHandler(PdProfileHandler):
 
     def disaggregates(
         self, request: InferenceRequest, cycle_state: CycleState, decode: EndpointState, prefill: ProfileRunResult
-    ) -> bool:
+    ) -> float | None:
         if not prefill.targets:
-            return False
+            return None
         prefill_pod = prefill.targets[0]
         prompt, (decode_cached, prefill_cached) = prompt_and_cached_tokens(request, cycle_state, [decode, prefill_pod])
         model = self._model()
         now = model.clock()
         local = model.estimate(decode, prompt, decode_cached, now, self.interference_weight)
         remote = model.estimate(prefill_pod, prompt, prefill_cached, now)
-        transfer = max(0, prompt - decode_cached) / self.transfer_tokens_per_second
-        remote_seconds = remote.seconds + transfer + remote.overhead_seconds
+        transfer = self.transfer_seconds(prompt, decode_cached)
+        remote_seconds = remote.seconds + transfer + model.overhead_seconds
         disaggregate = remote_seconds < local.cost_seconds
         cycle_state.explain()[PD_DECISION] = {
             "local_seconds": local.cost_seconds,
             "remote_seconds": remote_seconds,
             "disaggregated": disaggregate,
         }
-        return disaggregate
+        return transfer if disaggregate else None
 
 
 class PrefillHeaderHandler(PreRequest):

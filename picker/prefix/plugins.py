@@ -181,15 +181,26 @@ _HASHED_KEY = StateKey("approx-prefix-cache-producer/hashed", bool)
 _MATCHED_KEY = StateKey("approx-prefix-cache-producer/matched", tuple)
 
 
+# The predicted seconds a disaggregated request's TTFT spends on the KV transfer (from the prefill
+# pod to the decode pod), written by the P/D profile handler when it disaggregates.
+KV_TRANSFER_SECONDS_KEY = StateKey("KvTransferSeconds", float)
+
+
 class Pick(NamedTuple):
-    """What the producer expected at pick time; the response teaches the TTFT model with it,
-    unless the prompt was prefilled on another pod (`remote_prefill`): the client's TTFT and
-    the answer's cached tokens (which count the transferred blocks) then describe two pods."""
+    """What the producer expected at pick time; the response teaches the TTFT model with it.
+
+    A prompt prefilled on another pod (`prefill_address`, P/D) teaches that pod instead: the
+    client's TTFT less the predicted KV transfer and the decode pod's first step, with what the
+    prefill pod was expected to hold and have queued (the answer's cached tokens count the
+    transferred blocks, so they describe the decode pod)."""
 
     address: str
     expected_cached_tokens: int
     work_ahead: float
-    remote_prefill: bool = False
+    prefill_address: str = ""
+    prefill_cached_tokens: int = 0
+    prefill_work_ahead: float = 0.0
+    transfer_seconds: float = 0.0
 
 
 # llm-d's later prefix-cache-scorer with its own KV-event index (`mode: cache_tracking`), which
@@ -479,17 +490,25 @@ class ApproxPrefixCacheProducer(
         # Remember what was expected at pick time; the response teaches the TTFT model.
         work_ahead = self.ttft.work_ahead(target)
         targets = [target]
+        pick = Pick(target.address, expected, work_ahead)
         prefill = result.profile_results.get(PREFILL_PROFILE)
         if prefill is not None and prefill.targets and result.primary_profile != PREFILL_PROFILE:
-            targets.append(prefill.targets[0])
-        result.cycle_state[_PICK_KEY] = Pick(target.address, expected, work_ahead, remote_prefill=len(targets) > 1)
+            # The prefill work queues where the prompt is prefilled: the prefill pick (the decode
+            # pod then computes at most the last partial block).
+            prefilled_at = prefill.targets[0]
+            targets.append(prefilled_at)
+            (expected,) = expected_cached_tokens(match, result.cycle_state, [prefilled_at.address])
+            transfer = result.cycle_state.read(KV_TRANSFER_SECONDS_KEY) or 0.0
+            pick = pick._replace(
+                prefill_address=prefilled_at.address,
+                prefill_cached_tokens=expected,
+                prefill_work_ahead=self.ttft.work_ahead(prefilled_at),
+                transfer_seconds=transfer,
+            )
+        result.cycle_state[_PICK_KEY] = pick
         if self.config.index_responses and blocks.token_ids is not None:
             result.cycle_state[_RESPONSE_KEY] = []
-        # The prefill work queues where the prompt is prefilled: the prefill pick when there is
-        # one (the decode pod then computes at most the last partial block).
         prefilled_at = targets[-1]
-        if prefilled_at is not target:
-            (expected,) = expected_cached_tokens(match, result.cycle_state, [prefilled_at.address])
         self.ttft.add_backlog(prefilled_at.address, blocks.prompt_tokens - expected)
         if self.shared_ttft is not None:
             self.shared_ttft.queued(prefilled_at.address, blocks.prompt_tokens - expected)
@@ -520,25 +539,50 @@ class ApproxPrefixCacheProducer(
         usage = outcome.usage
         if pick is None or usage is None or usage.prompt_tokens <= 0:
             return
-        address, expected, work_ahead, remote_prefill = pick
-        if remote_prefill or (outcome.endpoint and outcome.endpoint != address):
-            return  # prefilled or served elsewhere (P/D, a fallback): nothing to compare or learn
+        address, expected, work_ahead = pick.address, pick.expected_cached_tokens, pick.work_ahead
+        if outcome.endpoint and outcome.endpoint != address:
+            return  # served elsewhere (a fallback): nothing to compare or learn
+        ttft = outcome.ttft_seconds if 200 <= outcome.status < 300 else None
+        if pick.prefill_address:
+            # Prefilled on the prefill pod (P/D): its share of the TTFT is what is left after the
+            # transfer and the decode pod's first step (a step with no prefill: the overhead).
+            if ttft is not None:
+                ttft -= pick.transfer_seconds + self.ttft.overhead_seconds
+                cached = min(pick.prefill_cached_tokens, usage.prompt_tokens)
+                self._observe(
+                    result, pick.prefill_address, ttft, usage.prompt_tokens, cached, pick.prefill_work_ahead, True
+                )
+            return
         model = request.target_model
         cached = min(usage.cached_tokens, usage.prompt_tokens)
         PREFIX_PROMPT_TOKENS.labels(model, address).inc(usage.prompt_tokens)
         PREFIX_EXPECTED_CACHED_TOKENS.labels(model, address).inc(min(expected, usage.prompt_tokens))
         PREFIX_SAVED_PREFILL_TOKENS.labels(model, address).inc(cached)
         PREFIX_SAVED_GPU_SECONDS.labels(model, address).inc(cached / self.ttft.prefill_rate(address))
-        if outcome.ttft_seconds is not None and 200 <= outcome.status < 300:
-            self.ttft.observe(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
-            if self.shared_ttft is not None:
-                self.shared_ttft.observed(address, outcome.ttft_seconds, usage.prompt_tokens, cached, work_ahead)
-            result.cycle_state.explain()[OBSERVED_TTFT] = {
-                "endpoint": address,
-                "seconds": outcome.ttft_seconds,
-                "prompt_tokens": usage.prompt_tokens,
-                "cached_tokens": cached,
-            }
+        if ttft is not None:
+            self._observe(result, address, ttft, usage.prompt_tokens, cached, work_ahead)
+
+    def _observe(
+        self,
+        result: SchedulingResult,
+        address: str,
+        ttft_seconds: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        work_ahead: float,
+        remote_prefill: bool = False,
+    ) -> None:
+        """Teach the TTFT model (and the other pickers' with `--state-store`) one TTFT at `address`
+        (`remote_prefill`: a prefill pod's share of a disaggregated TTFT, see `TtftModel.observe`)."""
+        self.ttft.observe(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead, remote_prefill)
+        if self.shared_ttft is not None:
+            self.shared_ttft.observed(address, ttft_seconds, prompt_tokens, cached_tokens, work_ahead, remote_prefill)
+        result.cycle_state.explain()[OBSERVED_TTFT] = {
+            "endpoint": address,
+            "seconds": ttft_seconds,
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+        }
 
     def _index_response(self, request: InferenceRequest, cycle_state: CycleState, address: str) -> None:
         """Record the prompt and its answer's full blocks at `address` (`indexResponses`)."""

@@ -200,8 +200,14 @@ class TtftModel:
         prompt_tokens: int,
         cached_tokens: int,
         work_ahead_tokens: float,
+        remote_prefill: bool = False,
     ) -> None:
-        """Learn from one request's observed TTFT (work ahead as estimated at pick time)."""
+        """Learn from one request's observed TTFT (work ahead as estimated at pick time).
+
+        `remote_prefill`: the TTFT is a prefill pod's share of a disaggregated request's (P/D),
+        which teaches its rates but not the overhead: that share is the client's TTFT less a
+        predicted transfer and second hop, and a prefill pod's queue is the least observed (no
+        request is in flight there), so a short prompt's sample would carry its queue wait."""
         rates = self.rates(endpoint)
         uncached = max(0, prompt_tokens - cached_tokens)
         if prompt_tokens > 0:
@@ -209,6 +215,8 @@ class TtftModel:
         queue_part = work_ahead_tokens / self.drain_rate(endpoint)
         prefill_part = uncached / self.prefill_rate(endpoint)
         if work_ahead_tokens < MIN_SAMPLE_TOKENS and prefill_part < self.overhead_seconds:
+            if remote_prefill:
+                return
             self.overhead_seconds = self._ewma(
                 self.overhead_seconds, max(ttft_seconds - prefill_part, 0.0), self.overhead_samples
             )

@@ -52,6 +52,7 @@ class TtftObservation:
     prompt_tokens: int
     cached_tokens: int
     work_ahead_tokens: float
+    remote_prefill: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ def encode_batch(batch: StateBatch) -> bytes:
             prompt_tokens=o.prompt_tokens,
             cached_tokens=o.cached_tokens,
             work_ahead_tokens=o.work_ahead_tokens,
+            remote_prefill=o.remote_prefill,
         )
     for p in batch.prefills:
         message.prefills_queued.add(endpoint=p.endpoint, tokens=p.tokens)
@@ -134,7 +136,9 @@ def decode_batch(data: bytes) -> StateBatch:
             tuple(EndpointInFlight(e.endpoint, e.requests, e.tokens) for e in load.endpoints), load.expires_ms
         )
     observations = tuple(
-        TtftObservation(o.endpoint, o.ttft_seconds, o.prompt_tokens, o.cached_tokens, o.work_ahead_tokens)
+        TtftObservation(
+            o.endpoint, o.ttft_seconds, o.prompt_tokens, o.cached_tokens, o.work_ahead_tokens, o.remote_prefill
+        )
         for o in message.ttft_observations
     )
     prefills = tuple(PrefillQueued(p.endpoint, p.tokens) for p in message.prefills_queued)

@@ -96,7 +96,13 @@ class TtftLearner(Protocol):
     """What applies other processes' TTFT lessons (picker.prefix.ttft.TtftModel)."""
 
     def observe(
-        self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached_tokens: int, work_ahead_tokens: float
+        self,
+        endpoint: str,
+        ttft_seconds: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        work_ahead_tokens: float,
+        remote_prefill: bool = False,
     ) -> None: ...
 
     def add_backlog(self, endpoint: str, tokens: float, now: float | None = None) -> None: ...
@@ -158,10 +164,18 @@ class SharedTtft:
         self._learner = learner
 
     def observed(
-        self, endpoint: str, ttft_seconds: float, prompt_tokens: int, cached_tokens: int, work_ahead_tokens: float
+        self,
+        endpoint: str,
+        ttft_seconds: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        work_ahead_tokens: float,
+        remote_prefill: bool = False,
     ) -> None:
         """Queue a response's lesson for the other processes: no I/O, never blocks."""
-        self._sync.enqueue(TtftObservation(endpoint, ttft_seconds, prompt_tokens, cached_tokens, work_ahead_tokens))
+        self._sync.enqueue(
+            TtftObservation(endpoint, ttft_seconds, prompt_tokens, cached_tokens, work_ahead_tokens, remote_prefill)
+        )
 
     def queued(self, endpoint: str, tokens: float) -> None:
         """Queue a pick's uncached prompt tokens at `endpoint` for the others' backlog."""
@@ -431,7 +445,14 @@ class StateSync:
         for ttft in self._ttft:
             for o in batch.observations:
                 if known(o.endpoint) is not None:
-                    ttft.observe(o.endpoint, o.ttft_seconds, o.prompt_tokens, o.cached_tokens, o.work_ahead_tokens)
+                    ttft.observe(
+                        o.endpoint,
+                        o.ttft_seconds,
+                        o.prompt_tokens,
+                        o.cached_tokens,
+                        o.work_ahead_tokens,
+                        o.remote_prefill,
+                    )
             if age < PREFILL_MAX_AGE_S:
                 for p in batch.prefills:
                     if known(p.endpoint) is not None:

@@ -459,6 +459,10 @@ class Pod:
         }
         # Each token chunk is `prefix + text + suffix`: JSON built once per request, not per token.
         opening = orjson.dumps(head)[:-1]
+        # A chat stream opens with the assistant's role chunk, which vLLM sends with the first
+        # engine output, i.e. after the prefill: sent at once, it made a router measuring TTFT to
+        # the first body byte see every chat prompt answered in a few milliseconds.
+        role_chunk = b""
         if chat:
             prefix = b"data: " + opening + b',"choices":[{"index":0,"delta":{"content":"'
             suffix = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -468,7 +472,7 @@ class Pod:
                     {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 ],
             }
-            await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
+            role_chunk = b"data: " + orjson.dumps(role) + b"\n\n"
         else:
             prefix = b"data: " + opening + b',"choices":[{"index":0,"text":"'
             suffix = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
@@ -479,7 +483,9 @@ class Pod:
             # branches below, and the type checker cannot see req.wait() changing it.
             finished = req.finish_reason is not None
             if produced > sent:
-                await resp.write(b"".join(_token_chunk(req, i, prefix, suffix) for i in range(sent, produced)))
+                tokens = b"".join(_token_chunk(req, i, prefix, suffix) for i in range(sent, produced))
+                await resp.write(role_chunk + tokens)
+                role_chunk = b""
                 sent = produced
             elif finished:
                 break
@@ -501,7 +507,7 @@ class Pod:
                 {"index": 0, **delta, "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
             ],
         }
-        tail = b"data: " + orjson.dumps(last) + b"\n\n"
+        tail = role_chunk + b"data: " + orjson.dumps(last) + b"\n\n"  # the role chunk: no token came
         if include_usage:
             tail += b"data: " + orjson.dumps({**head, "choices": [], "usage": self._usage(req)}) + b"\n\n"
         await resp.write(tail + _SSE_DONE)

@@ -137,6 +137,20 @@ async def test_streaming_chat_ends_with_done_and_no_usage_unless_asked(fleet: Fl
     assert all("usage" not in c for c in chunks)
 
 
+async def test_a_chat_stream_opens_with_its_first_token_as_vllm_does(fleet: Fleet, http) -> None:
+    # vLLM sends the role chunk with the first engine output: a router measuring TTFT to the
+    # first body byte must see the prefill, not the response headers' round trip.
+    pod = fleet.pods[0]
+    body = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 200, "stream": True}
+    async with http.post(pod.url + "/v1/chat/completions", json=body) as resp:
+        first = orjson.loads((await resp.content.readline()).decode()[len("data: ") :])
+        assert first["choices"][0]["delta"]["role"] == "assistant"
+        (running,) = pod.engine.running  # still decoding its 200 tokens
+        assert running.num_output >= 1  # the prefill was done before the first byte went out
+        chunks, done = await _sse(resp)
+    assert done and chunks[0]["choices"][0]["delta"]["content"]
+
+
 async def test_tokenize_render_models_and_probes(fleet: Fleet, http) -> None:
     base = fleet.pods[0].url
     async with http.post(base + "/tokenize", json={"model": "sim-model", "prompt": "Hi, you!"}) as resp:

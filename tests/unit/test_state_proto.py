@@ -110,7 +110,10 @@ def test_encode_then_decode_is_the_same_batch() -> None:
         4,
         [],
         InFlightLoad((EndpointInFlight("10.0.0.5:8000", 2, 100), EndpointInFlight("10.0.0.6:8000", 1, 7)), 1500),
-        (TtftObservation("10.0.0.5:8000", 0.5, 1000, 0, 12.5),),
+        (
+            TtftObservation("10.0.0.5:8000", 0.5, 1000, 0, 12.5),
+            TtftObservation("10.0.1.5:8000", 0.4, 6000, 0, 0.0, remote_prefill=True),
+        ),
         (PrefillQueued("10.0.0.5:8000", 1000.0),),
     )
     assert decode_batch(encode_batch(full)) == full

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpicker/state/v1/state.proto\x12\x0fpicker.state.v1\"\x8b\x02\n\nStateBatch\x12\x0e\n\x06origin\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x33\n\rindex_inserts\x18\x03 \x03(\x0b\x32\x1c.picker.state.v1.IndexInsert\x12\x30\n\tin_flight\x18\x04 \x01(\x0b\x32\x1d.picker.state.v1.InFlightLoad\x12;\n\x11ttft_observations\x18\x05 \x03(\x0b\x32 .picker.state.v1.TtftObservation\x12\x37\n\x0fprefills_queued\x18\x06 \x03(\x0b\x32\x1e.picker.state.v1.PrefillQueued\"k\n\x0bIndexInsert\x12\r\n\x05index\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x13\n\x0b\x63ount_reuse\x18\x05 \x01(\x08\"X\n\x0cInFlightLoad\x12\x34\n\tendpoints\x18\x01 \x03(\x0b\x32!.picker.state.v1.EndpointInFlight\x12\x12\n\nexpires_ms\x18\x02 \x01(\r\"F\n\x10\x45ndpointInFlight\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x82\x01\n\x0fTtftObservation\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11work_ahead_tokens\x18\x05 \x01(\x01\"1\n\rPrefillQueued\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpicker/state/v1/state.proto\x12\x0fpicker.state.v1\"\x8b\x02\n\nStateBatch\x12\x0e\n\x06origin\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x33\n\rindex_inserts\x18\x03 \x03(\x0b\x32\x1c.picker.state.v1.IndexInsert\x12\x30\n\tin_flight\x18\x04 \x01(\x0b\x32\x1d.picker.state.v1.InFlightLoad\x12;\n\x11ttft_observations\x18\x05 \x03(\x0b\x32 .picker.state.v1.TtftObservation\x12\x37\n\x0fprefills_queued\x18\x06 \x03(\x0b\x32\x1e.picker.state.v1.PrefillQueued\"k\n\x0bIndexInsert\x12\r\n\x05index\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x13\n\x0b\x63ount_reuse\x18\x05 \x01(\x08\"X\n\x0cInFlightLoad\x12\x34\n\tendpoints\x18\x01 \x03(\x0b\x32!.picker.state.v1.EndpointInFlight\x12\x12\n\nexpires_ms\x18\x02 \x01(\r\"F\n\x10\x45ndpointInFlight\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x9a\x01\n\x0fTtftObservation\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\x12\x19\n\x11work_ahead_tokens\x18\x05 \x01(\x01\x12\x16\n\x0eremote_prefill\x18\x06 \x01(\x08\"1\n\rPrefillQueued\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,7 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDPOINTINFLIGHT']._serialized_start=517
   _globals['_ENDPOINTINFLIGHT']._serialized_end=587
   _globals['_TTFTOBSERVATION']._serialized_start=590
-  _globals['_TTFTOBSERVATION']._serialized_end=720
-  _globals['_PREFILLQUEUED']._serialized_start=722
-  _globals['_PREFILLQUEUED']._serialized_end=771
+  _globals['_TTFTOBSERVATION']._serialized_end=744
+  _globals['_PREFILLQUEUED']._serialized_start=746
+  _globals['_PREFILLQUEUED']._serialized_end=795
 # @@protoc_insertion_point(module_scope)

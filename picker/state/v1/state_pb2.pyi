@@ -55,18 +55,20 @@ class EndpointInFlight(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TtftObservation(_message.Message):
-    __slots__ = ("endpoint", "ttft_seconds", "prompt_tokens", "cached_tokens", "work_ahead_tokens")
+    __slots__ = ("endpoint", "ttft_seconds", "prompt_tokens", "cached_tokens", "work_ahead_tokens", "remote_prefill")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORK_AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     ttft_seconds: float
     prompt_tokens: int
     cached_tokens: int
     work_ahead_tokens: float
-    def __init__(self, endpoint: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., work_ahead_tokens: _Optional[float] = ...) -> None: ...
+    remote_prefill: bool
+    def __init__(self, endpoint: _Optional[str] = ..., ttft_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., work_ahead_tokens: _Optional[float] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
 
 class PrefillQueued(_message.Message):
     __slots__ = ("endpoint", "tokens")
