@@ -119,6 +119,7 @@ def parse_request(
     else:
         prompt_text, prompt_token_ids = _text_or_tokens(_required(payload, "input"), "input")
 
+    _check_kv_transfer_params(payload.get("kv_transfer_params"))
     flow = flow_headers(headers, tenant_header)
     return InferenceRequest(
         request_id=request_id,
@@ -193,6 +194,36 @@ def _cache_salt(payload: dict[str, Any]) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise _field_error("cache_salt", "must be a non-empty string")
     return salt
+
+
+# vLLM's KV connector fields (NixlConnector) and the JSON type each must have when not null.
+_KV_TRANSFER_FIELDS = {
+    "do_remote_prefill": "boolean",
+    "do_remote_decode": "boolean",
+    "remote_block_ids": "array",
+    "remote_engine_id": "string",
+    "remote_request_id": "string",
+    "remote_host": "string",
+    "remote_port": "number",
+    "tp_size": "number",
+}
+
+
+def _check_kv_transfer_params(value: Any) -> None:
+    """A client's `kv_transfer_params` (prefill/decode disaggregation's) must have the types vLLM
+    reads, so the request fails alike whichever path it takes: a disaggregated request's are
+    replaced by the sidecar's, and only the EPP sees every request's."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _field_error("kv_transfer_params", f"must be an object, got {_json_type(value)}")
+    for name, expected in _KV_TRANSFER_FIELDS.items():
+        field = value.get(name)
+        if field is not None and _json_type(field) != expected:
+            raise _field_error(f"kv_transfer_params.{name}", f"must be a {expected}, got {_json_type(field)}")
+    block_ids = value.get("remote_block_ids")
+    if block_ids is not None and not all(type(b) is int and b >= 0 for b in block_ids):
+        raise _field_error("kv_transfer_params.remote_block_ids", "must be an array of non-negative integers")
 
 
 def _canonical_json(value: Any, field: str) -> str:

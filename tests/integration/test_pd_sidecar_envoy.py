@@ -361,3 +361,20 @@ async def test_a_prefill_pod_that_dies_mid_request_fails_the_request_without_a_h
             assert pool.picker_metrics()[PREFILL_UNAVAILABLE] == unavailable + 1
     finally:
         stop_process(proc)
+
+
+@pytest.mark.parametrize(
+    "params",
+    ["not an object", ["a", "list"], {"do_remote_prefill": "yes", "remote_block_ids": "x"}],
+    ids=["string", "list", "wrong-types"],
+)
+async def test_malformed_kv_transfer_params_from_a_client_get_a_400_never_a_5xx(
+    pd: Gateway, params: object, http
+) -> None:
+    for prompt in ("short", _words("malformed", 8 * BLOCK)):  # decoded alone, and disaggregated
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": 3, "kv_transfer_params": params}
+        async with http.post(f"{pd.url}/v1/completions", json=body, timeout=ANSWER_DEADLINE) as r:
+            text = await r.text()
+            assert r.status == 400, text
+        # The engine's own OpenAI-style error (vLLM's type names), whichever pod refused it.
+        assert "kv_transfer_params" in json.loads(text)["error"]["message"]

@@ -364,6 +364,38 @@ BAD_REQUESTS: list[tuple[str, dict[str, str], bytes | Any, str | None, str]] = [
     ("embeddings input missing", EMBEDDINGS, {"model": "m"}, "input", "required"),
     ("embeddings input object", EMBEDDINGS, {"model": "m", "input": {}}, "input", "must be a string"),
     ("embeddings token bool", EMBEDDINGS, {"model": "m", "input": [True]}, "input[0]", "token id"),
+    (
+        "kv params string",
+        COMPLETIONS,
+        {"model": "m", "prompt": "p", "kv_transfer_params": "x"},
+        "kv_transfer_params",
+        "object",
+    ),
+    (
+        "kv params flag string",
+        CHAT,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "kv_transfer_params": {"do_remote_prefill": "yes"},
+        },
+        "kv_transfer_params.do_remote_prefill",
+        "boolean",
+    ),
+    (
+        "kv params block ids",
+        COMPLETIONS,
+        {"model": "m", "prompt": "p", "kv_transfer_params": {"remote_block_ids": [1, -2]}},
+        "kv_transfer_params.remote_block_ids",
+        "non-negative",
+    ),
+    (
+        "kv params port string",
+        COMPLETIONS,
+        {"model": "m", "prompt": "p", "kv_transfer_params": {"remote_port": "80"}},
+        "kv_transfer_params.remote_port",
+        "number",
+    ),
 ]
 
 
@@ -385,6 +417,12 @@ def test_bad_requests_are_400_naming_the_field(
     if param is not None:
         assert param in error.message
     assert orjson.loads(error.body())["error"]["param"] == param
+
+
+def test_well_formed_kv_transfer_params_pass() -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [0, 7], "remote_host": "h", "remote_port": 1, "x": 1}
+    assert parse({"model": "m", "prompt": "p", "kv_transfer_params": params}, COMPLETIONS).body["kv_transfer_params"]
+    assert parse({"model": "m", "prompt": "p", "kv_transfer_params": None}, COMPLETIONS).prompt_text == "p"
 
 
 def test_rewrite_model_replaces_only_the_model() -> None:
