@@ -88,12 +88,16 @@ class EndpointState:
     # Waiting requests counting the picker's own not yet scraped (`picker.scheduling.scorers`):
     # max(waiting, in flight - running).
     effective_waiting: int = field(init=False, compare=False, repr=False)
+    # Effective waiting, then KV-cache usage (a fraction, so it only orders equal queues): the
+    # order `candidate-narrowing-filter` keeps the least loaded in.
+    load_rank: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = self.metrics
         object.__setattr__(self, "address", self.endpoint.address)
         waiting = max(metrics.waiting_queue_size, self.in_flight_requests - metrics.running_requests_size)
         object.__setattr__(self, "effective_waiting", waiting)
+        object.__setattr__(self, "load_rank", waiting + metrics.kv_cache_usage)
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite if never scraped)."""
