@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -88,7 +89,7 @@ class CandidateNarrowingFilter(Filter):
         count = len(candidates)
         if not self.max_candidates or count <= self.max_candidates:
             return candidates
-        kept = self._holders(cycle_state, candidates)
+        kept = set(self._holders(cycle_state, candidates))
         kept.update(self._least_loaded(candidates))
         if self.exploration:
             kept.update(self._random.sample(range(count), self.exploration))
@@ -98,29 +99,34 @@ class CandidateNarrowingFilter(Filter):
         )
         return narrowed
 
-    def _holders(self, cycle_state: CycleState, candidates: Sequence[EndpointState]) -> set[int]:
-        """Positions of the `prefix_holders` candidates holding the most prompt tokens."""
-        held: dict[str, int] = {}
+    def _holders(self, cycle_state: CycleState, candidates: Sequence[EndpointState]) -> list[int]:
+        """Positions of the `prefix_holders` candidates holding the most of the prompt."""
+        held: Mapping[str, float] | None = None
         match = cycle_state.read(PREFIX_MATCH_KEY)
         if match is not None and match.matched:
-            block_tokens = match.blocks.block_tokens
-            held = {address: blocks * block_tokens for address, blocks in match.matched.items() if blocks}
+            held = match.matched  # in blocks
         engine_cached = cycle_state.read(ENGINE_CACHED_TOKENS_KEY)
-        if engine_cached:
+        if engine_cached and match is not None:  # the engines' tokens in the match's blocks
+            block_tokens = match.blocks.block_tokens
+            held = dict(held or {})
             for address, tokens in engine_cached.items():
-                if tokens > held.get(address, 0):
-                    held[address] = tokens
+                held[address] = max(held.get(address, 0), tokens / block_tokens)
+        elif engine_cached:
+            held = engine_cached
         if not held or not self.prefix_holders:
-            return set()
-        positions = dict(zip(map(_ADDRESS, candidates), range(len(candidates))))
-        holders = [(tokens, positions[address]) for address, tokens in held.items() if address in positions]
-        holders.sort(key=lambda holder: holder[0], reverse=True)
-        return {i for _, i in holders[: self.prefix_holders]}
+            return []
+        # one read per candidate, in C; a sort only when more hold some of it than are kept
+        depths = list(map(held.get, map(_ADDRESS, candidates), repeat(0)))
+        holders = list(compress(range(len(candidates)), depths))
+        if len(holders) > self.prefix_holders:
+            holders.sort(key=depths.__getitem__, reverse=True)
+            del holders[self.prefix_holders :]
+        return holders
 
     def _least_loaded(self, candidates: Sequence[EndpointState]) -> list[int]:
         """Positions of the `least_loaded` candidates with the fewest waiting requests, then
-        the least KV-cache usage (below 1, it only orders equal queues); ties from a random
-        starting place, in pool order from there."""
+        the least KV-cache usage (below 1, it only orders equal queues); ties in pool order
+        from a random starting place. Reads and sorts in C: no Python per candidate."""
         count = len(candidates)
         loads = list(map(_LOAD_RANK, candidates))
         start = self._random.randrange(count)
