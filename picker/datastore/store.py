@@ -38,6 +38,9 @@ class Datastore:
         # Every endpoint's state in pool order, each replaced when its metrics or load change:
         # a request's snapshot is then a copy of this, not a state built per endpoint.
         self._states: dict[str, EndpointState] = {}
+        # Endpoints whose metrics changed since the last snapshot: their states are rebuilt when
+        # a request next reads them, so scrapes of an idle pool build none.
+        self._stale: set[str] = set()
 
     # -- endpoints (written by discovery) --------------------------------------------------
 
@@ -112,7 +115,7 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
-            self._update_state(address)
+            self._stale.add(address)
             self._load_changed()
 
     def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
@@ -124,7 +127,7 @@ class Datastore:
             old = metrics.get(address)
             if old is not None and address in self._endpoints:
                 metrics[address] = old.stamped(update_time)
-                self._update_state(address)
+                self._stale.add(address)
                 refreshed = True
         if refreshed:
             self._load_changed()
@@ -186,6 +189,10 @@ class Datastore:
     def snapshot(self, addresses: Iterable[str] | None = None) -> list[EndpointState]:
         """The state of every endpoint, or of those of `addresses` that are in the pool (a new
         list each time: callers may change it)."""
+        if self._stale:
+            for address in self._stale:
+                self._update_state(address)
+            self._stale.clear()
         if addresses is None:
             return list(self._states.values())
         states = self._states
@@ -206,4 +213,5 @@ class Datastore:
             self._states[address] = self._state(endpoint)
 
     def _rebuild_states(self) -> None:
+        self._stale.clear()
         self._states = {address: self._state(endpoint) for address, endpoint in self._endpoints.items()}

@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from time import perf_counter
 from typing import Any
 
@@ -42,6 +43,9 @@ PREPARE_TIMEOUT_SECONDS = 0.4
 MAX_RESPONSE_BUFFER = 4 << 20
 # What the ResponseMetadata hooks see before (or without) usage: the reference's zero Usage.
 NO_USAGE = Usage()
+
+
+_UPDATE_TIME = attrgetter("metrics.update_time")
 
 
 def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
@@ -402,6 +406,9 @@ class Director:
         if self._staleness_threshold is None:
             return candidates
         now = time.monotonic()
+        oldest = min(map(_UPDATE_TIME, candidates))  # in C: as a rule every candidate is fresh
+        if oldest > 0 and now - oldest <= self._staleness_threshold:
+            return candidates
         fresh = [c for c in candidates if c.metrics_age(now) <= self._staleness_threshold]
         return fresh or candidates
 
