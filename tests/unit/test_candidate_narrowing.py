@@ -3,6 +3,7 @@ holders, the least loaded and a few at random; pools at or below the bound are l
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -16,8 +17,10 @@ from picker.prefix.narrowing import NARROWED_CANDIDATES, CandidateNarrowingFilte
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PREFIX_MATCH_KEY, PrefixCacheScorer, PrefixMatch
 from picker.prefix.prompt_blocks import TOKENS, PromptBlocks
 from picker.scheduling.pickers import MaxScorePicker
-from picker.scheduling.scheduler import SchedulerProfile, WeightedScorer
+from picker.scheduling.profile_handler import SingleProfileHandler
+from picker.scheduling.scheduler import Scheduler, SchedulerProfile, WeightedScorer
 from picker.scheduling.scorers import KVCacheUtilizationScorer, QueueScorer
+from picker.telemetry.decisions import DecisionLog
 from tests.unit.test_scheduling_plugins import request, state
 
 HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -145,3 +148,21 @@ def test_parameters_are_strict(parameters: str, error: str) -> None:
         holder.load_text(
             HEADER + f"plugins:\n- type: queue-scorer\n- type: candidate-narrowing-filter\n  parameters: {parameters}\n"
         )
+
+
+def test_the_decision_log_explains_the_narrowing() -> None:
+    """What /debug/decisions serves: the narrowed candidates, and from how many."""
+    log = DecisionLog(capacity=1)
+    profile = SchedulerProfile(
+        "default",
+        [CandidateNarrowingFilter("candidate-narrowing-filter")],
+        [WeightedScorer(QueueScorer("queue-scorer"), 1)],
+        MaxScorePicker("max-score-picker"),
+    )
+    scheduler = Scheduler(SingleProfileHandler("single-profile-handler"), [profile], log)
+    scheduler.schedule(request(), busy_pool(100, random.Random(4)), CycleState())
+    (entry,) = log.entries()
+    json.dumps(entry)
+    kept = len(entry["profiles"]["default"]["candidates"])
+    assert kept <= 16 + 16 + 4
+    assert entry["explain"][NARROWED_CANDIDATES] == [{"filter": "candidate-narrowing-filter", "from": 100, "to": kept}]
