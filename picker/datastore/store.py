@@ -41,6 +41,7 @@ class Datastore:
         # Endpoints whose metrics changed since the last snapshot: their states are rebuilt when
         # a request next reads them, so scrapes of an idle pool build none.
         self._stale: set[str] = set()
+        self._oldest_update: float | None = None  # oldest_update_time(), until metrics change
 
     # -- endpoints (written by discovery) --------------------------------------------------
 
@@ -116,6 +117,7 @@ class Datastore:
         if address in self._endpoints:
             self._metrics[address] = metrics
             self._stale.add(address)
+            self._oldest_update = None
             self._load_changed()
 
     def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
@@ -130,7 +132,18 @@ class Datastore:
                 self._stale.add(address)
                 refreshed = True
         if refreshed:
+            self._oldest_update = None
             self._load_changed()
+
+    def oldest_update_time(self) -> float:
+        """The oldest last-scrape time (`EndpointMetrics.update_time`) in the pool, 0 when an
+        endpoint was never scraped or the pool is empty; kept until metrics or the pool change."""
+        oldest = self._oldest_update
+        if oldest is None:
+            metrics = self._metrics
+            times = [metrics.get(a, _NO_METRICS).update_time for a in self._endpoints]
+            oldest = self._oldest_update = min(times, default=0.0)
+        return oldest
 
     def metrics(self, address: str) -> EndpointMetrics:
         return self._metrics.get(address, _NO_METRICS)
@@ -214,4 +227,5 @@ class Datastore:
 
     def _rebuild_states(self) -> None:
         self._stale.clear()
+        self._oldest_update = None
         self._states = {address: self._state(endpoint) for address, endpoint in self._endpoints.items()}

@@ -104,6 +104,7 @@ def test_datastore_snapshots_follow_every_change() -> None:
     datastore.acquire(c, 30)
     datastore.acquire(c, 12)
     assert datastore.snapshot() == expected((none, 0, 0), (loaded, 0, 0), (none, 2, 42), (none, 0, 0))
+    assert datastore.oldest_update_time() == 0.0  # a, c, d never scraped
     datastore.release(c, 12)
     datastore.refresh_update_times([(b, 5.0), (a, 5.0)])  # a never scraped: stays unscraped
     stamped = loaded.stamped(5.0)
@@ -123,4 +124,10 @@ def test_datastore_snapshots_follow_every_change() -> None:
         EndpointState(Endpoint("10.0.0.9", 8000), none),
     ]
     datastore.release(a, 1)  # left the pool meanwhile: nothing to release
+    datastore.set_metrics(c, loaded.stamped(4.0))
+    assert datastore.oldest_update_time() == 0.0
+    datastore.set_metrics("10.0.0.9:8000", loaded.stamped(3.0))
+    assert datastore.oldest_update_time() == 3.0
+    datastore.refresh_update_times([("10.0.0.9:8000", 6.0)])
+    assert datastore.oldest_update_time() == 4.0
     assert [s.address for s in datastore.snapshot()] == [c, "10.0.0.9:8000"]
