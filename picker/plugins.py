@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer, MetricsDataSource
 from picker.flowcontrol.policies import POLICY_FACTORIES
+from picker.framework.plugin import Filter
 from picker.framework.registry import DeferredFactory, Registration, Registry
+from picker.prefix.narrowing import CandidateNarrowingFilter
 from picker.prefix.no_hit_lru import NoHitLruScorer
 from picker.prefix.plugins import (
     PREFIX_MATCH_KEY,
@@ -62,6 +64,7 @@ REGISTRY = Registry(
         Registration(LoadAwareScorer.plugin_type, LoadAwareScorer.create),
         Registration(ActiveRequestScorer.plugin_type, ActiveRequestScorer.create),
         Registration(HeaderBasedTestingFilter.plugin_type, HeaderBasedTestingFilter.create),
+        Registration(CandidateNarrowingFilter.plugin_type, CandidateNarrowingFilter.create),
         Registration(MaxScorePicker.plugin_type, MaxScorePicker.create),
         Registration(RandomPicker.plugin_type, RandomPicker.create),
         Registration(WeightedRandomPicker.plugin_type, WeightedRandomPicker.create),
@@ -131,3 +134,12 @@ UNSUPPORTED_REFERENCE_TYPES = {
     "endpoint-notification-source": "it feeds extractors compiled into a custom reference build; the picker has none",
     "destination-endpoint-served-verifier": "a conformance-test plugin of the reference",
 }
+
+
+NARROWING_FILTER_TYPE = CandidateNarrowingFilter.plugin_type
+
+
+def default_narrowing_filter() -> Filter:
+    """The `candidate-narrowing-filter` with its defaults, which ends every scheduling profile
+    that names none (it changes nothing at or below its bound: `picker.prefix.narrowing`)."""
+    return CandidateNarrowingFilter(NARROWING_FILTER_TYPE)

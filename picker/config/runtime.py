@@ -57,6 +57,7 @@ from picker.framework.plugin import (
     SaturationDetector,
     Scorer,
 )
+from picker.plugins import NARROWING_FILTER_TYPE, default_narrowing_filter
 from picker.scheduling.scheduler import PluginTimer, Scheduler, SchedulerProfile, WeightedScorer, plugin_timer
 from picker.telemetry.decisions import DecisionLog
 from picker.telemetry.metrics import CONFIG_INFO, CONFIG_LAST_RELOAD, CONFIG_RELOADS
@@ -219,6 +220,9 @@ def _profile(name: str, refs: Sequence[ProfilePluginRef], plugins: Mapping[str, 
             scorers.append(WeightedScorer(plugin, weight))
         if isinstance(plugin, Picker):
             pickers.append(plugin)
+    if not any(f.plugin_type == NARROWING_FILTER_TYPE for f in filters):
+        # large pools narrow by default (it changes nothing at or below its bound)
+        filters.append(default_narrowing_filter())
     return SchedulerProfile(name, filters, scorers, pickers[0])
 
 

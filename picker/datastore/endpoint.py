@@ -82,10 +82,22 @@ class EndpointState:
     metrics: EndpointMetrics
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
+    # Read for every candidate of every decision, so computed once here: the datastore keeps
+    # each endpoint's state until its metrics or load change (`Datastore.snapshot`).
+    address: str = field(init=False, compare=False, repr=False)
+    # Waiting requests counting the picker's own not yet scraped (`picker.scheduling.scorers`):
+    # max(waiting, in flight - running).
+    effective_waiting: int = field(init=False, compare=False, repr=False)
+    # Effective waiting, then KV-cache usage (a fraction, so it only orders equal queues): the
+    # order `candidate-narrowing-filter` keeps the least loaded in.
+    load_rank: float = field(init=False, compare=False, repr=False)
 
-    @property
-    def address(self) -> str:
-        return self.endpoint.address
+    def __post_init__(self) -> None:
+        metrics = self.metrics
+        object.__setattr__(self, "address", self.endpoint.address)
+        waiting = max(metrics.waiting_queue_size, self.in_flight_requests - metrics.running_requests_size)
+        object.__setattr__(self, "effective_waiting", waiting)
+        object.__setattr__(self, "load_rank", waiting + metrics.kv_cache_usage)
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite if never scraped)."""

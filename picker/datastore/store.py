@@ -35,9 +35,13 @@ class Datastore:
         self._listeners: list[EndpointListener] = []
         self._load_listeners: list[Callable[[], None]] = []
         self.synced = False  # True once discovery has delivered a full endpoint list
-        # The whole pool's snapshot, kept until something it is made of changes: one request
-        # reads it several times (flow control, scheduling) with nothing changed in between.
-        self._snapshot: tuple[EndpointState, ...] | None = None
+        # Every endpoint's state in pool order, each replaced when its metrics or load change:
+        # a request's snapshot is then a copy of this, not a state built per endpoint.
+        self._states: dict[str, EndpointState] = {}
+        # Endpoints whose metrics changed since the last snapshot: their states are rebuilt when
+        # a request next reads them, so scrapes of an idle pool build none.
+        self._stale: set[str] = set()
+        self._oldest_update: float | None = None  # oldest_update_time(), until metrics change
 
     # -- endpoints (written by discovery) --------------------------------------------------
 
@@ -46,12 +50,12 @@ class Datastore:
         new = {e.address: e for e in endpoints}
         old = self._endpoints
         self._endpoints = new
-        self._snapshot = None
         for address in old.keys() - new.keys():
             self._metrics.pop(address, None)
             self._in_flight_requests.pop(address, None)
             self._in_flight_tokens.pop(address, None)
             self._completions.pop(address, None)
+        self._rebuild_states()
         self.synced = True
         self._load_changed()
         if new != old or any(new[a].labels != old[a].labels for a in new.keys() & old.keys()):
@@ -112,7 +116,8 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
-            self._snapshot = None
+            self._stale.add(address)
+            self._oldest_update = None
             self._load_changed()
 
     def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
@@ -124,10 +129,21 @@ class Datastore:
             old = metrics.get(address)
             if old is not None and address in self._endpoints:
                 metrics[address] = old.stamped(update_time)
+                self._stale.add(address)
                 refreshed = True
         if refreshed:
-            self._snapshot = None
+            self._oldest_update = None
             self._load_changed()
+
+    def oldest_update_time(self) -> float:
+        """The oldest last-scrape time (`EndpointMetrics.update_time`) in the pool, 0 when an
+        endpoint was never scraped or the pool is empty; kept until metrics or the pool change."""
+        oldest = self._oldest_update
+        if oldest is None:
+            metrics = self._metrics
+            times = [metrics.get(a, _NO_METRICS).update_time for a in self._endpoints]
+            oldest = self._oldest_update = min(times, default=0.0)
+        return oldest
 
     def metrics(self, address: str) -> EndpointMetrics:
         return self._metrics.get(address, _NO_METRICS)
@@ -137,7 +153,7 @@ class Datastore:
     def acquire(self, address: str, tokens: int) -> None:
         self._in_flight_requests[address] = self._in_flight_requests.get(address, 0) + 1
         self._in_flight_tokens[address] = self._in_flight_tokens.get(address, 0) + tokens
-        self._snapshot = None
+        self._update_state(address)
         for listener in self._in_flight_listeners:
             listener()
 
@@ -146,7 +162,7 @@ class Datastore:
             return  # the endpoint left the pool while the request ran
         self._in_flight_requests[address] = max(0, self._in_flight_requests[address] - 1)
         self._in_flight_tokens[address] = max(0, self._in_flight_tokens.get(address, 0) - tokens)
-        self._snapshot = None
+        self._update_state(address)
         completions = self._completions.get(address)
         if completions is None:
             completions = self._completions[address] = EventRate()
@@ -177,7 +193,7 @@ class Datastore:
         dropped = any(n > requests.get(a, 0) for a, n in self._remote_requests.items())
         self._remote_requests = requests
         self._remote_tokens = tokens
-        self._snapshot = None
+        self._rebuild_states()
         if dropped:
             self._load_changed()  # capacity freed elsewhere: flow control may dispatch
 
@@ -186,32 +202,30 @@ class Datastore:
     def snapshot(self, addresses: Iterable[str] | None = None) -> list[EndpointState]:
         """The state of every endpoint, or of those of `addresses` that are in the pool (a new
         list each time: callers may change it)."""
-        endpoints = self._endpoints
+        if self._stale:
+            for address in self._stale:
+                self._update_state(address)
+            self._stale.clear()
         if addresses is None:
-            if self._snapshot is None:
-                self._snapshot = tuple(self._states(endpoints.values()))
-            return list(self._snapshot)
-        return self._states([endpoints[a] for a in addresses if a in endpoints])
+            return list(self._states.values())
+        states = self._states
+        return [states[a] for a in addresses if a in states]
 
-    def _states(self, selected: Iterable[Endpoint]) -> list[EndpointState]:
-        metrics = self._metrics
-        requests = self._in_flight_requests
-        tokens = self._in_flight_tokens
-        remote_requests = self._remote_requests
-        if not remote_requests:
-            return [
-                EndpointState(
-                    e, metrics.get(e.address, _NO_METRICS), requests.get(e.address, 0), tokens.get(e.address, 0)
-                )
-                for e in selected
-            ]
-        remote_tokens = self._remote_tokens
-        return [
-            EndpointState(
-                e,
-                metrics.get(e.address, _NO_METRICS),
-                requests.get(e.address, 0) + remote_requests.get(e.address, 0),
-                tokens.get(e.address, 0) + remote_tokens.get(e.address, 0),
-            )
-            for e in selected
-        ]
+    def _state(self, endpoint: Endpoint) -> EndpointState:
+        address = endpoint.address
+        return EndpointState(
+            endpoint,
+            self._metrics.get(address, _NO_METRICS),
+            self._in_flight_requests.get(address, 0) + self._remote_requests.get(address, 0),
+            self._in_flight_tokens.get(address, 0) + self._remote_tokens.get(address, 0),
+        )
+
+    def _update_state(self, address: str) -> None:
+        endpoint = self._endpoints.get(address)
+        if endpoint is not None:
+            self._states[address] = self._state(endpoint)
+
+    def _rebuild_states(self) -> None:
+        self._stale.clear()
+        self._oldest_update = None
+        self._states = {address: self._state(endpoint) for address, endpoint in self._endpoints.items()}

@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import EndpointState
@@ -79,6 +81,7 @@ from picker.telemetry.metrics import (
 if TYPE_CHECKING:
     from picker.state.sync import SharedIndex, SharedTtft
 
+_ADDRESS = attrgetter("address")
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
 # {address: prompt tokens an engine reported cached}, from the KV-event (precise) index when one
@@ -462,12 +465,15 @@ class ApproxPrefixCacheProducer(
         if blocks is None:
             return
         matched = self._match(blocks, cycle_state)
-        bounded = over_bound(candidates, self.config.max_load_factor)
-        over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
+        over: frozenset[str] = frozenset()
+        if matched and self.config.max_load_factor > 0:
+            bounded = over_bound(candidates, self.config.max_load_factor)
+            over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
         match = PrefixMatch(blocks, matched, over, self._room)
         cycle_state[PREFIX_MATCH_KEY] = match
         if blocks.hashes:
-            best = max((matched.get(c.address, 0) for c in candidates), default=0)
+            # in C: it reads every candidate
+            best = max(map(matched.get, map(_ADDRESS, candidates), repeat(0)), default=0) if matched else 0
             PREFIX_INDEXER_HIT_RATIO.observe(best / len(blocks.hashes))
             PREFIX_INDEXER_HIT_BYTES.observe(best * blocks.block_tokens * CHARS_PER_TOKEN)
 
@@ -691,9 +697,10 @@ class PrefixCacheScorer(Scorer):
         candidates: Sequence[EndpointState],
     ) -> Sequence[float]:
         match = cycle_state.read(PREFIX_MATCH_KEY)
-        if match is None:
+        if match is None or not match.total_blocks or not match.matched:  # nothing held anywhere
             return [0.0] * len(candidates)
-        return [match.score(c.address) for c in candidates]
+        total, matched, over = match.total_blocks, match.matched, match.over_bound
+        return [0.0 if c.address in over else matched.get(c.address, 0) / total for c in candidates]
 
 
 class CacheFitScorer(ParameterlessScorer):

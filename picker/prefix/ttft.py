@@ -259,9 +259,7 @@ def _drain(rates: EndpointRates, drain_rate: float, now: float) -> float:
 
 
 def _work_ahead(state: EndpointState, rates: EndpointRates, drain_rate: float, now: float) -> float:
-    metrics = state.metrics
-    waiting = max(metrics.waiting_queue_size, state.in_flight_requests - metrics.running_requests_size)
-    return max(waiting * rates.typical_prompt_tokens, _drain(rates, drain_rate, now))
+    return max(state.effective_waiting * rates.typical_prompt_tokens, _drain(rates, drain_rate, now))
 
 
 def shrunk(own: float, samples: int, pool: float) -> float:

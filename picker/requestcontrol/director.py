@@ -18,6 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from time import perf_counter
 from typing import Any
 
@@ -42,6 +43,9 @@ PREPARE_TIMEOUT_SECONDS = 0.4
 MAX_RESPONSE_BUFFER = 4 << 20
 # What the ResponseMetadata hooks see before (or without) usage: the reference's zero Usage.
 NO_USAGE = Usage()
+
+
+_UPDATE_TIME = attrgetter("metrics.update_time")
 
 
 def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
@@ -389,9 +393,9 @@ class Director:
                 raise RequestError("ServiceUnavailable", "no endpoint in the subset hint is in the pool")
         elif not candidates:
             raise RequestError("ServiceUnavailable", "no ready endpoints in the pool")
-        return self._fresh_if_any(candidates)
+        return self._fresh_if_any(candidates, whole_pool=subset is None)
 
-    def _fresh_if_any(self, candidates: list[EndpointState]) -> list[EndpointState]:
+    def _fresh_if_any(self, candidates: list[EndpointState], whole_pool: bool) -> list[EndpointState]:
         """The candidates with fresh metrics, or all of them when none is fresh.
 
         A pod whose scrapes fail (dead, hung, serving garbage) keeps its last metrics, or none,
@@ -402,6 +406,10 @@ class Director:
         if self._staleness_threshold is None:
             return candidates
         now = time.monotonic()
+        # as a rule every candidate is fresh: the pool's oldest scrape says so without a pass
+        oldest = self.datastore.oldest_update_time() if whole_pool else min(map(_UPDATE_TIME, candidates))
+        if oldest > 0 and now - oldest <= self._staleness_threshold:
+            return candidates
         fresh = [c for c in candidates if c.metrics_age(now) <= self._staleness_threshold]
         return fresh or candidates
 

@@ -54,13 +54,7 @@ class QueueScorer(ParameterlessScorer):
     def score(
         self, request: InferenceRequest, cycle_state: CycleState, candidates: Sequence[EndpointState]
     ) -> list[float]:
-        # effective waiting (module doc), inlined: it runs for every candidate of every request
-        return min_max_scores(
-            [
-                max(c.metrics.waiting_queue_size, c.in_flight_requests - c.metrics.running_requests_size)
-                for c in candidates
-            ]
-        )
+        return min_max_scores([c.effective_waiting for c in candidates])  # module doc
 
 
 class RunningRequestsSizeScorer(ParameterlessScorer):
@@ -170,6 +164,5 @@ class LoadAwareScorer(Scorer):
         threshold = self.threshold
         scores = []
         for c in candidates:
-            waiting = max(c.metrics.waiting_queue_size, c.in_flight_requests - c.metrics.running_requests_size)
-            scores.append(0.5 * (1.0 - min(threshold, waiting) / threshold))
+            scores.append(0.5 * (1.0 - min(threshold, c.effective_waiting) / threshold))
         return scores
