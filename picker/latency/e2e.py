@@ -1,20 +1,16 @@
 """A completion-time cost: a request's predicted end-to-end time at each endpoint, and what it
 costs the requests already running there.
 
-For endpoint *e* and a request of *P* prompt tokens expected to generate *N* output tokens:
+For endpoint *e* and a request expected to generate *N* output tokens:
 
-    e2e(e)  = ttft(e) + N × tpot(e, b, c)
-    tpot(e, b, c) = (base + per_seq × b + per_token × c) / (1 − ρ(e))
-    harm(e) = weight × ((per_seq + per_token × (P + N/2)) / (1 − ρ(e)) × overlap(e)
-                        + prefill(e) × running(e))
+    e2e(e)  = ttft(e) + N × tpot(e, b)
+    tpot(e, b) = (base + per_seq × b) / (1 − ρ(e))
+    harm(e) = weight × (per_seq / (1 − ρ(e)) × overlap(e) + prefill(e) × running(e))
 
 * `ttft(e)`: the TTFT model's prediction (queue wait + prefill of what *e* does not hold,
   `picker.prefix.ttft`); `prefill(e)` its prefill part, `running(e)` the requests running there.
-* `base + per_seq × b + per_token × c`: the pool's decode step with *b* sequences in the batch
-  holding *c* tokens of context between them, learnt online (`DecodeStepModel`). A decode step reads
-  the weights once and every running sequence's KV cache: ten 30,000-token conversations decode
-  slower than ten 300-token ones, which a count of sequences cannot tell apart. A request's
-  context over its life is taken as its prompt plus half its expected output.
+* `base + per_seq × b`: the pool's decode step with *b* sequences in the batch, learnt online
+  (`TpotByBatch`).
 * `ρ(e)`: the share of *e*'s time its prefills take, which its decodes wait through (they share
   its engine steps): the uncached prompt tokens a second the picker has sent it lately (a sum
   decayed over `PREFILL_WINDOW_S`) over the TTFT model's prefill rate, at most
@@ -22,13 +18,11 @@ For endpoint *e* and a request of *P* prompt tokens expected to generate *N* out
   guess at what will follow.
 * The batch over the request's life comes from the picker's *ledger* of its own requests in
   flight at *e*: how many, and their committed decode tokens (each one's expected output, drained
-  as *e* generates tokens, `count / tpot` a second), and their context. `overlap(e) =
-  min(committed, count × N)` of those tokens are generated beside the request's *N*, so its mean
-  batch is `1 + overlap / N` and its mean context its own plus the others' mean context times
-  `overlap / N`.
-* The harm: each overlapped token of another request is `per_seq + per_token × (P + N/2)` slower
-  with this one in the batch, and this prompt's prefill stalls each request running there for as
-  long (`weight` = the scorer's `harmWeight`).
+  as *e* generates tokens, `count / tpot` a second). `overlap(e) = min(committed, count × N)` of
+  those tokens are generated beside the request's *N*, so its mean batch is `1 + overlap / N`.
+* The harm: each overlapped token of another request is `per_seq(e)` slower with this one in the
+  batch, and this prompt's prefill stalls each request running there for as long
+  (`weight` = the scorer's `harmWeight`).
 
 A pod with a short queue but many long decodes is slow for whoever lands there; this cost sees
 that where the TTFT cost does not.
@@ -36,12 +30,12 @@ that where the TTFT cost does not.
 TPOT learning: a streamed response that generated at least two tokens gives a sample,
 (duration − TTFT) / (completion tokens − 1), × (1 − ρ over its life: the uncached tokens sent
 to its endpoint between its pick and its end, per second, over the prefill rate), against the
-mean number of the picker's requests in flight at its endpoint over its life and their mean
-context (the ledger's time integrals from pick to end, the request itself included). One
-least-squares plane through the samples, with exponential forgetting (`FORGET`), for the whole
-pool (`DecodeStepModel` says why not one per endpoint), times a calibration learnt from how long
-decodes took against their prediction (`DecodeStepModel.calibrate`). No sample yet: nothing learnt
-(`DecodeStepModel.learnt` is False).
+mean number of the picker's requests in flight at its endpoint over its life (the ledger's time
+integral from pick to end, the request itself included). One least-squares line through the
+samples, with exponential forgetting (`FORGET`), for the whole pool (`TpotByBatch` says why not
+one per endpoint), times a calibration learnt from how long decodes took against their
+prediction (`TpotByBatch.calibrate`). No sample yet: nothing learnt (`TpotByBatch.learnt` is
+False).
 """
 
 from __future__ import annotations
@@ -57,8 +51,6 @@ from picker.framework.request import InferenceRequest
 
 FORGET = 1.0 - 1.0 / 256  # each TPOT sample's weight decays by this per later sample
 MIN_BATCH_VARIANCE = 0.25  # sequences²: below it the samples show no slope of their own
-MIN_CONTEXT_VARIANCE = 1e6  # tokens² (1,000 tokens of spread): likewise for the context
-MIN_INDEPENDENCE = 0.05  # 1 − correlation² of batch and context below which one slope is fitted
 PREFILL_WINDOW_S = 10.0  # how long prefill sent to an endpoint counts towards its recent rate
 MAX_PREFILL_SHARE = 0.8  # ρ at most: an endpoint does not stop decoding altogether
 CALIBRATION_RATE = 0.05  # how far one response moves the decode calibration (in log units)
@@ -68,76 +60,48 @@ OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens
 
 
 @dataclass(slots=True)
-class _Plane:
-    """Weighted sums for a least-squares plane tpot = base + per_seq × batch + per_token × context."""
+class _Line:
+    """Weighted sums for a least-squares line tpot = base + per_seq × batch."""
 
     weight: float = 0.0
     batch: float = 0.0
-    context: float = 0.0
     tpot: float = 0.0
     batch2: float = 0.0
-    context2: float = 0.0
-    batch_context: float = 0.0
     batch_tpot: float = 0.0
-    context_tpot: float = 0.0
     samples: int = 0
 
-    def add(self, batch: float, context: float, tpot: float) -> None:
+    def add(self, batch: float, tpot: float) -> None:
         self.weight = self.weight * FORGET + 1.0
         self.batch = self.batch * FORGET + batch
-        self.context = self.context * FORGET + context
         self.tpot = self.tpot * FORGET + tpot
         self.batch2 = self.batch2 * FORGET + batch * batch
-        self.context2 = self.context2 * FORGET + context * context
-        self.batch_context = self.batch_context * FORGET + batch * context
         self.batch_tpot = self.batch_tpot * FORGET + batch * tpot
-        self.context_tpot = self.context_tpot * FORGET + context * tpot
         self.samples += 1
 
-    def fit(self) -> TpotCurve:
-        """The plane, its slopes never negative: where the samples have not varied enough in one
-        input to show its slope, or the two inputs moved together, that slope is 0 and the
-        other input's is fitted alone (a sequence count that always carries the same context
-        can stand for it)."""
-        w = self.weight
-        batch, context, tpot = self.batch / w, self.context / w, self.tpot / w
-        var_b = self.batch2 / w - batch * batch
-        var_c = self.context2 / w - context * context
-        cov_bc = self.batch_context / w - batch * context
-        cov_bt = self.batch_tpot / w - batch * tpot
-        cov_ct = self.context_tpot / w - context * tpot
-        shows_b, shows_c = var_b >= MIN_BATCH_VARIANCE, var_c >= MIN_CONTEXT_VARIANCE
-        per_seq = per_token = 0.0
-        det = var_b * var_c - cov_bc * cov_bc
-        if shows_b and shows_c and det > MIN_INDEPENDENCE * var_b * var_c:
-            per_seq = (cov_bt * var_c - cov_ct * cov_bc) / det
-            per_token = (cov_ct * var_b - cov_bt * cov_bc) / det
-        if per_seq < 0.0 or per_token < 0.0 or not (per_seq or per_token):
-            per_seq = max(0.0, cov_bt / var_b) if shows_b else 0.0
-            per_token = 0.0
-            if not per_seq and shows_c:
-                per_token = max(0.0, cov_ct / var_c)
-        return TpotCurve(max(0.0, tpot - per_seq * batch - per_token * context), per_seq, per_token)
+    def fit(self) -> tuple[float, float, float]:
+        """(mean batch, mean TPOT, slope); the slope is 0 where the batches have not varied
+        enough to show one, and never negative."""
+        mean_batch, mean_tpot = self.batch / self.weight, self.tpot / self.weight
+        variance = self.batch2 / self.weight - mean_batch * mean_batch
+        slope = 0.0
+        if variance >= MIN_BATCH_VARIANCE:
+            slope = (self.batch_tpot / self.weight - mean_batch * mean_tpot) / variance
+        return mean_batch, mean_tpot, max(0.0, slope)
 
 
 class TpotCurve(NamedTuple):
-    """The pool's learnt decode step, prefill stalls aside: `base + per_seq × batch +
-    per_token × context` seconds."""
+    """One endpoint's learnt decode step, prefill stalls aside: `base + per_seq × batch` seconds."""
 
     base: float
     per_seq: float
-    per_token: float = 0.0
 
-    def seconds(self, batch: float, context: float = 0.0) -> float:
-        return self.base + self.per_seq * batch + self.per_token * context
-
-    def scaled(self, factor: float) -> TpotCurve:
-        return TpotCurve(self.base * factor, self.per_seq * factor, self.per_token * factor)
+    def seconds(self, batch: float) -> float:
+        return self.base + self.per_seq * batch
 
 
-class DecodeStepModel:
+class TpotByBatch:
     """The pool's decode step (time per output token without prefill stalls) as a function of
-    the batch and its context (see the module docstring).
+    the batch (see the module docstring).
 
     One line for the pool, not one per endpoint: an InferencePool's servers run the same model
     on the same hardware, so what makes one endpoint's decode slower than another's is its load,
@@ -148,22 +112,23 @@ class DecodeStepModel:
     the slowest)."""
 
     def __init__(self) -> None:
-        self._plane = _Plane()
+        self._line = _Line()
         self._log_scale = 0.0  # the calibration: log of what decodes took over what was predicted
         self._curve: TpotCurve | None = None  # fitted once per sample, read per candidate
 
     @property
     def learnt(self) -> bool:
         """Whether any sample has been seen."""
-        return self._plane.samples > 0
+        return self._line.samples > 0
 
-    def observe(self, life: Life, prefill_share: float, decode_seconds: float, completion_tokens: int) -> None:
+    def observe(self, mean_batch: float, prefill_share: float, decode_seconds: float, completion_tokens: int) -> None:
         """Learn from one streamed response: `decode_seconds` from its first byte to its end,
-        over a `life` at its endpoint, which spent `prefill_share` of its time on prefills."""
+        with `mean_batch` of the picker's requests in flight at its endpoint over its life, which
+        spent `prefill_share` of its time on prefills."""
         if completion_tokens < 2 or decode_seconds <= 0.0:
             return
         sample = decode_seconds / (completion_tokens - 1) * (1.0 - min(prefill_share, MAX_PREFILL_SHARE))
-        self._plane.add(max(1.0, life.mean_batch), max(0.0, life.mean_context), sample)
+        self._line.add(max(1.0, mean_batch), sample)
         self._curve = None
 
     @property
@@ -188,16 +153,19 @@ class DecodeStepModel:
         self._curve = None
 
     def curve(self) -> TpotCurve:
-        """The calibrated decode step (all zero while nothing is learnt)."""
+        """The calibrated decode step line (all zero while nothing is learnt)."""
         curve = self._curve
         if curve is None:
             curve = self._curve = self._fit()
         return curve
 
     def _fit(self) -> TpotCurve:
-        if not self._plane.samples:
+        line = self._line
+        if not line.samples:
             return TpotCurve(0.0, 0.0)
-        return self._plane.fit().scaled(self.calibration)
+        batch, tpot, slope = line.fit()
+        scale = self.calibration
+        return TpotCurve(max(0.0, tpot - slope * batch) * scale, slope * scale)
 
 
 @dataclass(slots=True)
@@ -206,9 +174,7 @@ class _Ledger:
 
     requests: int = 0
     committed_tokens: float = 0.0  # expected output tokens not generated yet
-    context_tokens: float = 0.0  # the requests' context over their lives (prompt + half the output)
     load_integral: float = 0.0  # ∫ requests dt: the mean batch between two readings
-    context_integral: float = 0.0  # ∫ context_tokens dt
     prefill_sent: float = 0.0  # uncached prompt tokens sent, ever
     prefill_recent: float = 0.0  # ... decayed over PREFILL_WINDOW_S: / PREFILL_WINDOW_S = the rate
     time: float = 0.0
@@ -216,22 +182,19 @@ class _Ledger:
 
 class PodLoad(NamedTuple):
     """The ledger's view of one endpoint: the picker's requests in flight there, the decode
-    tokens they are still expected to generate, their context, and the uncached prompt tokens a
-    second it has been sent lately."""
+    tokens they are still expected to generate, and the uncached prompt tokens a second it has
+    been sent lately."""
 
     requests: int
     committed_tokens: float
-    context_tokens: float
     prefill_tokens_per_second: float
 
 
 class Life(NamedTuple):
     """What a request's endpoint did over its life: the mean number of the picker's requests in
-    flight there (itself included), their mean context, and the uncached prompt tokens a second
-    sent there after it."""
+    flight there (itself included) and the uncached prompt tokens a second sent there after it."""
 
     mean_batch: float
-    mean_context: float
     prefill_tokens_per_second: float
 
 
@@ -240,16 +203,9 @@ class InFlight(NamedTuple):
 
     address: str
     expected_tokens: int
-    context_tokens: float
     load_integral: float
-    context_integral: float
     prefill_sent: float
     time: float
-
-
-def context_tokens(prompt_tokens: int, expected_tokens: int) -> float:
-    """A request's context over its life: its prompt and, on average, half its answer."""
-    return prompt_tokens + expected_tokens / 2.0
 
 
 class DecodeLedger:
@@ -258,7 +214,7 @@ class DecodeLedger:
     heavy prefill the drain runs a little fast) and the prefill sent there (see the module
     docstring)."""
 
-    def __init__(self, tpot: DecodeStepModel, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, tpot: TpotByBatch, clock: Callable[[], float] = time.monotonic) -> None:
         self.tpot = tpot
         self.clock = clock
         self._ledgers: dict[str, _Ledger] = {}
@@ -272,8 +228,7 @@ class DecodeLedger:
             ledger.prefill_recent *= math.exp(-elapsed / PREFILL_WINDOW_S)
         if elapsed > 0.0 and ledger.requests:
             ledger.load_integral += ledger.requests * elapsed
-            ledger.context_integral += ledger.context_tokens * elapsed
-            tpot = self.tpot.curve().seconds(ledger.requests, ledger.context_tokens)
+            tpot = self.tpot.curve().seconds(ledger.requests)
             if tpot > 0.0:
                 ledger.committed_tokens = max(0.0, ledger.committed_tokens - elapsed * ledger.requests / tpot)
         ledger.time = max(ledger.time, now)
@@ -282,25 +237,19 @@ class DecodeLedger:
     def load(self, address: str, now: float) -> PodLoad:
         """`address`'s load as of `now`."""
         ledger = self._advanced(address, now)
-        return PodLoad(
-            ledger.requests, ledger.committed_tokens, ledger.context_tokens, ledger.prefill_recent / PREFILL_WINDOW_S
-        )
+        return PodLoad(ledger.requests, ledger.committed_tokens, ledger.prefill_recent / PREFILL_WINDOW_S)
 
-    def sent(self, address: str, expected_tokens: int, prompt_tokens: int, uncached_tokens: int) -> InFlight:
-        """A request of `prompt_tokens` expected to generate `expected_tokens`, with
-        `uncached_tokens` of its prompt to prefill, was sent to `address`."""
+    def sent(self, address: str, expected_tokens: int, uncached_tokens: int) -> InFlight:
+        """A request expected to generate `expected_tokens`, with `uncached_tokens` of its prompt
+        to prefill, was sent to `address`."""
         now = self.clock()
         ledger = self._advanced(address, now)
-        context = context_tokens(prompt_tokens, expected_tokens)
         ledger.requests += 1
         ledger.committed_tokens += expected_tokens
-        ledger.context_tokens += context
         ledger.prefill_sent += uncached_tokens
         ledger.prefill_recent += uncached_tokens
         # Its own prefill comes before its first token: only what is sent after it stalls it.
-        return InFlight(
-            address, expected_tokens, context, ledger.load_integral, ledger.context_integral, ledger.prefill_sent, now
-        )
+        return InFlight(address, expected_tokens, ledger.load_integral, ledger.prefill_sent, now)
 
     def ended(self, sent: InFlight, completion_tokens: int | None) -> Life:
         """The request `sent` ended after `completion_tokens` (None: unknown): what its endpoint
@@ -308,20 +257,17 @@ class DecodeLedger:
         now = self.clock()
         ledger = self._advanced(sent.address, now)
         ledger.requests = max(0, ledger.requests - 1)
-        ledger.context_tokens = max(0.0, ledger.context_tokens - sent.context_tokens)
         # The drain took its generated tokens from the total; what it was expected to generate
         # beyond them is no longer committed (or, when it ran longer, the drain took too much).
         generated = sent.expected_tokens if completion_tokens is None else completion_tokens
         ledger.committed_tokens = max(0.0, ledger.committed_tokens - (sent.expected_tokens - generated))
         if not ledger.requests:
-            ledger.committed_tokens = ledger.context_tokens = 0.0
+            ledger.committed_tokens = 0.0
         elapsed = now - sent.time
         if elapsed <= 0.0:
-            return Life(float(ledger.requests + 1), ledger.context_tokens + sent.context_tokens, 0.0)
+            return Life(float(ledger.requests + 1), 0.0)
         return Life(
-            (ledger.load_integral - sent.load_integral) / elapsed,
-            (ledger.context_integral - sent.context_integral) / elapsed,
-            (ledger.prefill_sent - sent.prefill_sent) / elapsed,
+            (ledger.load_integral - sent.load_integral) / elapsed, (ledger.prefill_sent - sent.prefill_sent) / elapsed
         )
 
     def forget(self, endpoints: Iterable[str]) -> None:
@@ -417,7 +363,6 @@ class E2eEstimate(NamedTuple):
     decode_seconds: float
     tpot_seconds: float
     mean_batch: float
-    mean_context: float
     prefill_share: float
     expected_tokens: int
     harm_seconds: float
@@ -432,7 +377,6 @@ def estimate(
     curve: TpotCurve,
     load: PodLoad,
     prefill_tokens_per_second: float,
-    prompt_tokens: int,
     expected_tokens: int,
     ttft_seconds: float,
     prefill_stall_seconds: float,
@@ -442,25 +386,13 @@ def estimate(
     its prefill rate; `prefill_stall_seconds`: the prefill's stall summed over the requests
     running there)."""
     overlap = min(load.committed_tokens, load.requests * expected_tokens)
-    others = overlap / expected_tokens  # the other sequences beside it, on average over its life
-    own_context = context_tokens(prompt_tokens, expected_tokens)
-    mean_batch = 1.0 + others
-    mean_context = own_context + (others * load.context_tokens / load.requests if load.requests else 0.0)
+    mean_batch = 1.0 + overlap / expected_tokens
     stalled = 1.0 - min(load.prefill_tokens_per_second / prefill_tokens_per_second, MAX_PREFILL_SHARE)
-    tpot = curve.seconds(mean_batch, mean_context) / stalled
+    tpot = curve.seconds(mean_batch) / stalled
     decode = expected_tokens * tpot
-    slowdown = (curve.per_seq + curve.per_token * own_context) / stalled  # each overlapped token's
-    harm = harm_weight * (slowdown * overlap + prefill_stall_seconds)
+    harm = harm_weight * (curve.per_seq / stalled * overlap + prefill_stall_seconds)
     return E2eEstimate(
-        ttft_seconds + decode,
-        ttft_seconds,
-        decode,
-        tpot,
-        mean_batch,
-        mean_context,
-        1.0 - stalled,
-        expected_tokens,
-        harm,
+        ttft_seconds + decode, ttft_seconds, decode, tpot, mean_batch, 1.0 - stalled, expected_tokens, harm
     )
 
 

@@ -46,11 +46,11 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.latency.e2e import (
     DecodeLedger,
-    DecodeStepModel,
     E2eEstimate,
     ExpectedOutput,
     InFlight,
     OutputLengths,
+    TpotByBatch,
     e2e_scores,
     estimate,
 )
@@ -561,7 +561,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         capacity = params.integer("sessionCapacity", 100_000, at_least=1)
         effective = params.finish()
         key = f"{_E2E_KEY}:{name}"
-        ledger = handle.persistent(f"{key}/ledger", lambda: DecodeLedger(DecodeStepModel()))
+        ledger = handle.persistent(f"{key}/ledger", lambda: DecodeLedger(TpotByBatch()))
         lengths = handle.persistent(f"{key}/lengths:{capacity}", lambda: OutputLengths(capacity))
         datastore = handle.datastore
         if datastore is not None:
@@ -600,9 +600,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             load = ledger.load(state.address, now)
             prefill_rate = ttft.prefill_rate(state.address)
             estimates.append(
-                estimate(
-                    curve, load, prefill_rate, prompt_tokens, tokens, first.seconds, first.interference_seconds, weight
-                )
+                estimate(curve, load, prefill_rate, tokens, first.seconds, first.interference_seconds, weight)
             )
         predicted: dict[str, E2eEstimate] = cycle_state.explain().setdefault(PREDICTED_E2E, {})
         predicted.update((c.address, e) for c, e in zip(candidates, estimates))
@@ -614,9 +612,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         target = result.targets[0]
         tokens = self.expected(request, result.cycle_state)[0].tokens
         prompt_tokens, (cached,) = prompt_and_cached_tokens(request, result.cycle_state, [target])
-        result.cycle_state[_SENT_KEY] = self.ledger.sent(
-            target.address, tokens, prompt_tokens, max(0, prompt_tokens - cached)
-        )
+        result.cycle_state[_SENT_KEY] = self.ledger.sent(target.address, tokens, max(0, prompt_tokens - cached))
 
     def response_complete(self, request: InferenceRequest, result: SchedulingResult, outcome: ResponseOutcome) -> None:
         sent = result.cycle_state.read(_SENT_KEY)
@@ -634,7 +630,7 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
         ttft = outcome.ttft_seconds
         if request.stream and ttft is not None:
             share = life.prefill_tokens_per_second / self.ttft.prefill_rate(sent.address)
-            self.tpot.observe(life, share, outcome.duration_seconds - ttft, completion)
+            self.tpot.observe(life.mean_batch, share, outcome.duration_seconds - ttft, completion)
         explain = result.cycle_state.explain()
         predicted = explain.get(PREDICTED_E2E, {}).get(sent.address)
         if request.stream and ttft is not None and predicted is not None and completion > 1:
@@ -655,5 +651,4 @@ class E2eCostScorer(Scorer, PreRequest, ResponseComplete):
             "completion_tokens": completion,
             "expected_tokens": sent.expected_tokens,
             "mean_batch": life.mean_batch,
-            "mean_context": life.mean_context,
         }

@@ -1,5 +1,5 @@
-"""The completion-time cost (`e2e-cost-scorer`, `picker.latency.e2e`): the pool's decode step
-learnt against the batch and its context from what responses report, the output length expected from `max_tokens` or
+"""The completion-time cost (`e2e-cost-scorer`, `picker.latency.e2e`): TPOT learnt per pod
+against its batch from what responses report, the output length expected from `max_tokens` or
 history, and routing that sees decode work the TTFT cost does not."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
 from picker.framework.plugin import ProfileRunResult, SchedulingResult
 from picker.framework.request import Api, InferenceRequest, ResponseOutcome, Usage
-from picker.latency.e2e import DecodeLedger, DecodeStepModel, E2eEstimate, Life, e2e_scores, estimate
+from picker.latency.e2e import DecodeLedger, E2eEstimate, TpotByBatch, e2e_scores
 from picker.latency.plugins import OBSERVED_E2E, PREDICTED_E2E, E2eCostScorer
 from picker.prefix.plugins import TtftCostScorer
 from picker.requestcontrol.director import prepare
@@ -161,52 +161,9 @@ def test_tpot_is_learnt_against_the_batch_and_many_running_decodes_predict_a_lon
     assert busy.harm_seconds > 0.0 == idle.harm_seconds  # the six would decode slower beside it
 
 
-def test_the_decode_step_is_learnt_against_the_context_as_well_as_the_batch() -> None:
-    # The simulator's step: 6.5 ms + 0.05 ms a sequence + 0.039 µs a token of context.
-    def step(batch: float, context: float) -> float:
-        return 0.0065 + 0.00005 * batch + 0.039e-6 * context
-
-    tpot = DecodeStepModel()
-    for batch, context in [(1, 300), (8, 2_400), (1, 30_000), (8, 240_000), (4, 4_000), (4, 120_000)] * 4:
-        tpot.observe(Life(batch, context, 0.0), 0.0, step(batch, context) * 99, 100)
-    curve = tpot.curve()
-    assert curve.per_token == pytest.approx(0.039e-6, rel=0.01)
-    assert curve.per_seq == pytest.approx(0.00005, rel=0.01)
-    assert curve.seconds(10, 300_000) == pytest.approx(step(10, 300_000), rel=0.01)
-
-    # When the batch always carries the same context per sequence, the count stands for both.
-    counted = DecodeStepModel()
-    for batch in (1, 8, 1, 8):
-        counted.observe(Life(batch, 1_000 * batch, 0.0), 0.0, step(batch, 1_000 * batch) * 99, 100)
-    line = counted.curve()
-    assert line.per_token == 0.0
-    assert line.seconds(4) == pytest.approx(step(4, 4_000), rel=0.01)
-
-
-def test_long_conversations_decoding_on_a_pod_slow_a_request_there_and_a_long_prompt_harms_them_more() -> None:
-    runtime, datastore, scorer, clock = setup()
-    for context in (100, 20_000, 100, 20_000):  # one request at a time; its prompt is its context
-        req = request(prompt="w" * (4 * context), request_id=f"t{context}")
-        result = send(scorer, datastore, FIRST, req)
-        clock.now += 1.0
-        answer(scorer, req, result, FIRST, 101, 0.0065 + 0.039e-6 * (context + 50), ttft=0.0)
-    assert scorer.tpot.curve().per_token > 0.0
-    for i in range(4):  # the same number of requests decoding at two pods, their prompts 100x apart
-        send(scorer, datastore, SECOND, request({"max_tokens": 2000}, prompt="w" * 200_000, request_id=f"long{i}"))
-        send(scorer, datastore, THIRD, request({"max_tokens": 2000}, prompt="w" * 2_000, request_id=f"short{i}"))
-    short = predicted(runtime, datastore, scorer, request({"max_tokens": 500}))
-    assert short[SECOND].mean_batch == short[THIRD].mean_batch
-    assert short[SECOND].tpot_seconds > short[THIRD].tpot_seconds
-    # Joining a batch, a long prompt slows every step of the others more than a short one.
-    load = scorer.ledger.load(THIRD, clock.now)
-    curve = scorer.tpot.curve()
-    harms = [estimate(curve, load, 10_000.0, prompt, 500, 0.1, 0.0, 1.0).harm_seconds for prompt in (500, 50_000)]
-    assert harms[1] > harms[0] > 0.0
-
-
 def test_decodes_that_take_half_their_prediction_calibrate_the_line_down() -> None:
-    tpot = DecodeStepModel()
-    tpot.observe(Life(1.0, 0.0, 0.0), 0.0, 0.99, 100)  # 10 ms a token
+    tpot = TpotByBatch()
+    tpot.observe(1.0, 0.0, 0.99, 100)  # 10 ms a token
     assert tpot.curve().seconds(1.0) == pytest.approx(0.010)
     for _ in range(200):  # decodes really take 5 ms a token, against the line's prediction as it is then
         tpot.calibrate(0.005 * 99, tpot.curve().seconds(1.0) * 99)
@@ -233,7 +190,7 @@ def test_an_endpoint_that_answered_slowly_is_not_predicted_slower_at_the_same_lo
 
 def test_scores_weigh_the_seconds_an_endpoint_costs_beyond_the_cheapest_not_their_ratio() -> None:
     def costs(*seconds: float) -> list[E2eEstimate]:
-        return [E2eEstimate(s, 0.0, s, 0.0, 1.0, 0.0, 0.0, 100, 0.0) for s in seconds]
+        return [E2eEstimate(s, 0.0, s, 0.0, 1.0, 0.0, 100, 0.0) for s in seconds]
 
     near_zero = e2e_scores(costs(0.010, 0.050), 1.0)
     long_decodes = e2e_scores(costs(10.0, 10.04), 1.0)
@@ -273,12 +230,12 @@ def test_a_long_answer_avoids_a_short_queue_whose_batch_is_full_of_long_decodes(
 
 def test_committed_decode_drains_as_the_pod_generates_and_the_mean_batch_is_over_the_requests_life() -> None:
     clock = Clock()
-    tpot = DecodeStepModel()
-    tpot.observe(Life(1.0, 0.0, 0.0), 0.0, 0.99, 100)  # 10 ms a token
+    tpot = TpotByBatch()
+    tpot.observe(1.0, 0.0, 0.99, 100)  # 10 ms a token
     ledger = DecodeLedger(tpot, clock)
-    first = ledger.sent(FIRST, 100, 0, 0)
+    first = ledger.sent(FIRST, 100, 0)
     clock.now += 0.5
-    second = ledger.sent(FIRST, 100, 0, 0)
+    second = ledger.sent(FIRST, 100, 0)
     load = ledger.load(FIRST, clock.now)
     assert load.requests == 2 and load.committed_tokens == pytest.approx(150.0)  # 50 of the first's generated
     clock.now += 0.5
