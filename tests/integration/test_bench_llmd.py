@@ -58,13 +58,14 @@ def test_llmd_approximate_and_precise_beside_picker_precise(tmp_path: Path, llmd
     assert counter(llmd, "kvcache_index_lookup_hits_total") > 0
     # ... and its scores name the pods holding them by address: at most the 16 blocks (256 tokens)
     # of a group's shared prefix (the role markers and its system prompt; the question differs),
-    # all 16 once a pod has served the group.
+    # all 16 once a pod has served the group. Which pods those are is llm-d's choice: it may keep
+    # every group on one pod in a 4 s run.
     log = (logs / "llmd-epp-1-llmd-precise.log").read_text().splitlines()
     # zap's console encoding: time, level, logger, caller, message, then the fields as JSON
     scores = [json.loads(line.split("\t")[-1])["scores"] for line in log if "\tGot pod scores\t" in line]
     assert len(scores) >= results["llmd-precise"]["requests"]
     named = [(ip, blocks) for score in scores for ip, blocks in (score or {}).items()]  # null: under a block
-    assert {ip for ip, _ in named} == {"127.0.0.1", "127.0.0.2"}, named
+    assert named and {ip for ip, _ in named} <= {"127.0.0.1", "127.0.0.2"}, named
     assert max(blocks for _, blocks in named) == 16 and min(blocks for _, blocks in named) > 0, named
 
     # picker:precise read its own fleet's events (each pod binds its publisher) from both pods.
