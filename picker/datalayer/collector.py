@@ -274,7 +274,7 @@ class MetricsCollector:
         datastore = self._datastore
 
         def age() -> float:
-            updated = datastore.metrics(address).update_time
+            updated = datastore.scraped_at(address)
             return time.monotonic() - updated if updated > 0 else math.inf
 
         return age

@@ -82,6 +82,10 @@ class EndpointState:
     metrics: EndpointMetrics
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
+    # The datastore's live record of each endpoint's last scrape (`Datastore.scraped_at`): the
+    # scrapes that find a page unchanged refresh it without building a new state. Without one,
+    # the metrics' own `update_time` is the last scrape.
+    scrape_clock: Mapping[str, float] | None = field(default=None, compare=False, repr=False)
     # Read for every candidate of every decision, so computed once here: the datastore keeps
     # each endpoint's state until its metrics or load change (`Datastore.snapshot`).
     address: str = field(init=False, compare=False, repr=False)
@@ -101,6 +105,8 @@ class EndpointState:
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite if never scraped)."""
-        if self.metrics.update_time <= 0:
+        clock = self.scrape_clock
+        updated = self.metrics.update_time if clock is None else clock.get(self.address, self.metrics.update_time)
+        if updated <= 0:
             return float("inf")
-        return now - self.metrics.update_time
+        return now - updated

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.rate import EventRate
@@ -24,6 +25,11 @@ class Datastore:
     def __init__(self) -> None:
         self._endpoints: dict[str, Endpoint] = {}
         self._metrics: dict[str, EndpointMetrics] = {}
+        # When a scrape last confirmed each endpoint's metrics, changed or not. Kept apart from
+        # the metrics (whose `update_time` is when they last changed) so that the scrapes which
+        # find a page unchanged, nearly all of them, only write a float: no new metrics, no new
+        # state. `EndpointState.metrics_age` reads it live.
+        self._scraped: dict[str, float] = {}
         self._in_flight_requests: dict[str, int] = {}
         self._in_flight_tokens: dict[str, int] = {}
         self._completions: dict[str, EventRate] = {}  # address → this process's releases
@@ -52,6 +58,7 @@ class Datastore:
         self._endpoints = new
         for address in old.keys() - new.keys():
             self._metrics.pop(address, None)
+            self._scraped.pop(address, None)
             self._in_flight_requests.pop(address, None)
             self._in_flight_tokens.pop(address, None)
             self._completions.pop(address, None)
@@ -116,37 +123,41 @@ class Datastore:
     def set_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         if address in self._endpoints:
             self._metrics[address] = metrics
+            self._scraped[address] = metrics.update_time
             self._stale.add(address)
             self._oldest_update = None
             self._load_changed()
 
     def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
-        """Stamp `(address, update_time)` on metrics a scrape found unchanged: they are as fresh
-        as that scrape. Endpoints not in the pool or never scraped are skipped."""
-        metrics = self._metrics
+        """Record `(address, update_time)` of scrapes that found metrics unchanged: they are as
+        fresh as that scrape. Endpoints not in the pool or never scraped are skipped."""
+        metrics, scraped = self._metrics, self._scraped
         refreshed = False
         for address, update_time in stamps:
-            old = metrics.get(address)
-            if old is not None and address in self._endpoints:
-                metrics[address] = old.stamped(update_time)
-                self._stale.add(address)
+            if address in metrics:  # only endpoints of the pool have metrics
+                scraped[address] = update_time
                 refreshed = True
         if refreshed:
             self._oldest_update = None
             self._load_changed()
 
     def oldest_update_time(self) -> float:
-        """The oldest last-scrape time (`EndpointMetrics.update_time`) in the pool, 0 when an
-        endpoint was never scraped or the pool is empty; kept until metrics or the pool change."""
+        """The oldest last-scrape time in the pool, 0 when an endpoint was never scraped or the
+        pool is empty; kept until metrics or the pool change."""
         oldest = self._oldest_update
         if oldest is None:
-            metrics = self._metrics
-            times = [metrics.get(a, _NO_METRICS).update_time for a in self._endpoints]
-            oldest = self._oldest_update = min(times, default=0.0)
+            oldest = self._oldest_update = min(map(self._scraped.get, self._endpoints, repeat(0.0)), default=0.0)
         return oldest
 
+    def scraped_at(self, address: str) -> float:
+        """`time.monotonic()` of the last scrape that confirmed `address`'s metrics; 0 = never."""
+        return self._scraped.get(address, 0.0)
+
     def metrics(self, address: str) -> EndpointMetrics:
-        return self._metrics.get(address, _NO_METRICS)
+        """`address`'s metrics, with `update_time` the last scrape that confirmed them."""
+        metrics = self._metrics.get(address, _NO_METRICS)
+        scraped = self._scraped.get(address, 0.0)
+        return metrics if scraped == metrics.update_time else metrics.stamped(scraped)
 
     # -- in-flight load (written by the director) ------------------------------------------
 
@@ -218,6 +229,7 @@ class Datastore:
             self._metrics.get(address, _NO_METRICS),
             self._in_flight_requests.get(address, 0) + self._remote_requests.get(address, 0),
             self._in_flight_tokens.get(address, 0) + self._remote_tokens.get(address, 0),
+            self._scraped,
         )
 
     def _update_state(self, address: str) -> None:

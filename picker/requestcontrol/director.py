@@ -18,7 +18,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from operator import attrgetter
 from time import perf_counter
 from typing import Any
 
@@ -43,9 +42,6 @@ PREPARE_TIMEOUT_SECONDS = 0.4
 MAX_RESPONSE_BUFFER = 4 << 20
 # What the ResponseMetadata hooks see before (or without) usage: the reference's zero Usage.
 NO_USAGE = Usage()
-
-
-_UPDATE_TIME = attrgetter("metrics.update_time")
 
 
 def filter_subset(candidates: list[EndpointState], subset: Sequence[str]) -> list[EndpointState]:
@@ -407,7 +403,10 @@ class Director:
             return candidates
         now = time.monotonic()
         # as a rule every candidate is fresh: the pool's oldest scrape says so without a pass
-        oldest = self.datastore.oldest_update_time() if whole_pool else min(map(_UPDATE_TIME, candidates))
+        if whole_pool:
+            oldest = self.datastore.oldest_update_time()
+        else:
+            oldest = min(map(self.datastore.scraped_at, (c.address for c in candidates)))
         if oldest > 0 and now - oldest <= self._staleness_threshold:
             return candidates
         fresh = [c for c in candidates if c.metrics_age(now) <= self._staleness_threshold]

@@ -4,6 +4,8 @@ decision, and these pin what every decision was made of before that change."""
 
 from __future__ import annotations
 
+import math
+
 from picker.datastore.endpoint import Endpoint, EndpointMetrics, EndpointState
 from picker.datastore.store import Datastore
 from picker.framework.cycle_state import CycleState
@@ -107,10 +109,12 @@ def test_datastore_snapshots_follow_every_change() -> None:
     assert datastore.oldest_update_time() == 0.0  # a, c, d never scraped
     datastore.release(c, 12)
     datastore.refresh_update_times([(b, 5.0), (a, 5.0)])  # a never scraped: stays unscraped
-    stamped = loaded.stamped(5.0)
-    assert datastore.snapshot() == expected((none, 0, 0), (stamped, 0, 0), (none, 1, 30), (none, 0, 0))
+    # An unchanged page's scrape builds no state: the states read its time from the datastore.
+    assert datastore.snapshot() == expected((none, 0, 0), (loaded, 0, 0), (none, 1, 30), (none, 0, 0))
+    assert [s.metrics_age(6.0) for s in datastore.snapshot()] == [math.inf, 1.0, math.inf, math.inf]
+    assert datastore.metrics(b) == loaded.stamped(5.0) and datastore.scraped_at(a) == 0.0
     datastore.set_remote_in_flight({a: 3, c: 1}, {a: 7})
-    assert datastore.snapshot() == expected((none, 3, 7), (stamped, 0, 0), (none, 2, 30), (none, 0, 0))
+    assert datastore.snapshot() == expected((none, 3, 7), (loaded, 0, 0), (none, 2, 30), (none, 0, 0))
     assert datastore.snapshot([d, "10.9.9.9:1", a]) == [
         EndpointState(endpoints[3], none),
         EndpointState(endpoints[0], none, 3, 7),
