@@ -1,8 +1,9 @@
 """`picker config validate FILE` and `picker config show [--config-file F | --config-text T | --live URL]`.
 
 `show` prints the effective config as YAML, the loader's notes first as comments (so the output
-still loads); `--live` asks a running picker's metrics port (`GET /config`) for the config in
-force, with where it came from, its hash and when it was loaded. FILE may name a built-in config
+still loads), then what every profile implies without naming it (the default narrowing filter);
+`--live` asks a running picker's metrics port (`GET /config`) for the config in force, with where
+it came from, its hash and when it was loaded. FILE may name a built-in config
 (`picker-best.yaml`): picker/config/builtin_configs.py.
 """
 
@@ -21,7 +22,9 @@ import yaml
 
 from picker.config.builtin_configs import resolve_config_path
 from picker.config.loader import build, default_config, parse_file, parse_text, to_yaml
+from picker.config.runtime import narrows_by_default
 from picker.config.schema import ConfigError, EndpointPickerConfig
+from picker.plugins import NARROWING_FILTER_TYPE, default_narrowing_filter
 
 LIVE_TIMEOUT_SECONDS = 5.0
 
@@ -100,5 +103,13 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(_comments([f"note: {n}" for n in loaded.notes]))
         print("valid")
     else:
-        sys.stdout.write(_comments([f"note: {n}" for n in loaded.notes]) + to_yaml(loaded.config))
+        implied = [
+            f'schedulingProfiles "{profile.name}" ends with a "{NARROWING_FILTER_TYPE}" at its defaults '
+            f"(it narrows above {default_narrowing_filter().max_candidates} candidates; name one in the "
+            "profile to tune it, maxCandidates: 0 never narrows)"
+            for profile in loaded.config.scheduling_profiles
+            if narrows_by_default(profile.plugins, loaded.plugins)
+        ]
+        notes = [f"note: {n}" for n in loaded.notes] + [f"implied: {line}" for line in implied]
+        sys.stdout.write(_comments(notes) + to_yaml(loaded.config))
     return 0

@@ -220,10 +220,16 @@ def _profile(name: str, refs: Sequence[ProfilePluginRef], plugins: Mapping[str, 
             scorers.append(WeightedScorer(plugin, weight))
         if isinstance(plugin, Picker):
             pickers.append(plugin)
-    if not any(f.plugin_type == NARROWING_FILTER_TYPE for f in filters):
-        # large pools narrow by default (it changes nothing at or below its bound)
+    if narrows_by_default(refs, plugins):
         filters.append(default_narrowing_filter())
     return SchedulerProfile(name, filters, scorers, pickers[0])
+
+
+def narrows_by_default(refs: Sequence[ProfilePluginRef], plugins: Mapping[str, Plugin]) -> bool:
+    """Whether a profile of these plugins ends with the default `candidate-narrowing-filter`:
+    every profile that names none does, so large pools narrow (it changes nothing at or below
+    its bound)."""
+    return not any(plugins[ref.plugin_ref].plugin_type == NARROWING_FILTER_TYPE for ref in refs)
 
 
 InstallListener = Callable[[Runtime], Awaitable[None]]

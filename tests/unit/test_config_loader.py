@@ -399,8 +399,15 @@ def test_cli_validate_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert yaml.safe_load(capsys.readouterr().out)["schedulingProfiles"][0]["plugins"][0]["weight"] == 1.0
 
     assert cli.main(["show"]) == 0
-    default = yaml.safe_load(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    default = yaml.safe_load(out)
     assert default["schedulingProfiles"][0]["plugins"][0] == {"pluginRef": "queue-scorer", "weight": 2.0}
+    # The narrowing filter every profile ends with is said, though the profile does not name it.
+    assert '# implied: schedulingProfiles "default" ends with a "candidate-narrowing-filter"' in out
+
+    named = "plugins: [{type: queue-scorer}, {type: candidate-narrowing-filter, parameters: {maxCandidates: 0}}]\n"
+    assert cli.main(["show", "--config-text", HEADER + named]) == 0
+    assert "implied:" not in capsys.readouterr().out
 
 
 def test_runtime_exposes_the_data_layer_sources_for_the_collector() -> None:
