@@ -212,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="length of the idle measurement (default 5)")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second (default 200)")
     parser.add_argument("--reference-epp", type=Path, metavar="PATH", help="also run the reference EPP's binary")
+    parser.add_argument(
+        "--reference-max-endpoints",
+        type=int,
+        default=256,
+        help="run the reference only on pools up to this size (default 256: at 1,024 it never drains its queue here)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON to FILE")
     args = parser.parse_args(argv)
     try:
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[PoolRow] = []
     with tempfile.TemporaryDirectory(prefix="picker-poolsize-") as tmp:
         for n in sizes:
-            rows += measure_pool(n, args.reference_epp, args.rate, args.seconds, args.idle_seconds, Path(tmp))
+            reference = args.reference_epp if n <= args.reference_max_endpoints else None
+            rows += measure_pool(n, reference, args.rate, args.seconds, args.idle_seconds, Path(tmp))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return 0
