@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from picker.datalayer.plugins import CoreMetricsExtractor, InFlightLoadProducer, MetricsDataSource
 from picker.flowcontrol.policies import POLICY_FACTORIES
-from picker.framework.plugin import Filter
 from picker.framework.registry import DeferredFactory, Registration, Registry
 from picker.prefix.narrowing import CandidateNarrowingFilter
 from picker.prefix.no_hit_lru import NoHitLruScorer
@@ -139,7 +138,7 @@ UNSUPPORTED_REFERENCE_TYPES = {
 NARROWING_FILTER_TYPE = CandidateNarrowingFilter.plugin_type
 
 
-def default_narrowing_filter() -> Filter:
+def default_narrowing_filter() -> CandidateNarrowingFilter:
     """The `candidate-narrowing-filter` with its defaults, which ends every scheduling profile
     that names none (it changes nothing at or below its bound: `picker.prefix.narrowing`)."""
     return CandidateNarrowingFilter(NARROWING_FILTER_TYPE)
