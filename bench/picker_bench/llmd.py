@@ -61,7 +61,9 @@ def tokenizers_library() -> Path:
         shutil.copytree(TOKENIZERS.source_dir(), crate)  # the module cache is read-only
         for path in (crate, *crate.rglob("*")):
             path.chmod(path.stat().st_mode | stat.S_IWUSR)
-        run_niced([cargo, "build", "--release", "--locked"], crate, os.environ, "cargo build")
+        # its own target directory: `make` exports CARGO_TARGET_DIR for the core's build cache
+        env = {**os.environ, "CARGO_TARGET_DIR": str(crate / "target")}
+        run_niced([cargo, "build", "--release", "--locked"], crate, env, "cargo build")
         partial = Path(scratch) / "libtokenizers.a"
         shutil.copy(crate / "target" / "release" / "libtokenizers.a", partial)
         # Debian's binutils load an LLVM 14 linker plugin that cannot read newer rustc's bitcode
