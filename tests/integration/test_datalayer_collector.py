@@ -7,7 +7,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
 
-from picker.datalayer.collector import ERROR_REASONS, MetricsCollector
+from picker.datalayer.collector import DRAIN_SLICE, ERROR_REASONS, MetricsCollector
 from picker.datalayer.engines import ENGINE_LABEL_KEY
 from picker.datastore.endpoint import Endpoint, EndpointMetrics
 from picker.datastore.store import Datastore
@@ -209,6 +209,43 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         await until(lambda: datastore.metrics(vllm.endpoint.address).waiting_queue_size == 17, what="sglang values")
 
 
+class CountingDatastore(Datastore):
+    """The real datastore, counting the unchanged-page stamps applied since a probe last ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since_turn = self.most_between_turns = self.total = 0
+
+    def refresh_update_times(self, stamps: Iterable[tuple[str, float]]) -> None:
+        stamps = list(stamps)
+        self.since_turn += len(stamps)
+        self.total += len(stamps)
+        super().refresh_update_times(stamps)
+
+    async def probe(self) -> None:
+        """Take every turn of the loop it can, noting how many stamps went in between two."""
+        while True:
+            self.most_between_turns = max(self.most_between_turns, self.since_turn)
+            self.since_turn = 0
+            await asyncio.sleep(0)
+
+
+async def test_a_large_pools_results_leave_the_loop_to_requests_between_slices() -> None:
+    # 160 endpoints (one server on every loopback address) give the drain about 160 results an
+    # interval: applied DRAIN_SLICE at a time, with the loop's other tasks run in between.
+    datastore = CountingDatastore()
+    async with AsyncExitStack() as stack:
+        server = PageServer("0.0.0.0", vllm_page(waiting=1, running=2, kv_usage=0.3))
+        await _serve(stack, server)
+        addresses = [f"127.0.0.{i}" for i in range(1, 161)]
+        datastore.set_endpoints([Endpoint(ip, server.port) for ip in addresses])
+        probe = asyncio.create_task(datastore.probe())
+        stack.callback(probe.cancel)
+        await _collect(stack, datastore, interval=0.25)
+        await until(lambda: datastore.total >= 3 * len(addresses), timeout=20, what="three intervals of scrapes")
+        assert 0 < datastore.most_between_turns <= DRAIN_SLICE
+
+
 async def test_malformed_nan_and_missing_families_keep_old_values_and_log_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -248,6 +285,8 @@ async def test_malformed_nan_and_missing_families_keep_old_values_and_log_once(
         assert sum("found again" in r.getMessage() for r in caplog.records) == 4
 
         server.page = b"# nothing this picker reads\nprocess_cpu_seconds_total 1\n"
+        # from the first error on (scrapes of the good page may still be on their way until then)
+        await until(lambda: errors(address, "no_metrics") >= 1, what="a no_metrics error")
         stamp = datastore.metrics(address).update_time
         await until(lambda: errors(address, "no_metrics") >= 3, what="no_metrics errors")
         assert datastore.metrics(address).update_time == stamp  # nothing extracted: goes stale
