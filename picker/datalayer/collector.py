@@ -35,8 +35,10 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import aiohttp
 import picker_extproc_core
@@ -67,6 +69,7 @@ DRAIN_SLICE = 64  # scrape results applied between two turns of the event loop
 Changed = tuple[int, bytes, int, float, float]
 Same = tuple[int, float, float]
 Failed = tuple[int, str, str]
+_Result = TypeVar("_Result")
 # Values of the `reason` label of picker_scrape_errors_total.
 ERROR_REASONS = ("timeout", "connect", "disconnect", "http_status", "page_too_large", "no_metrics", "error")
 
@@ -309,23 +312,22 @@ class MetricsCollector:
             del self._failing[address]
             log.info("metrics scrape of %s recovered", address)
 
-    def _apply(
-        self,
-        changed: list[Changed],
-        same: list[Same],
-        failed: list[Failed],
-    ) -> None:
-        """Take one batch of the core's results, in any order: each kind concerns other scrapes
-        of an endpoint than the others, and each is the latest of its kind."""
+    def _apply_failed(self, failed: list[Failed]) -> None:
         addresses = self._addresses
         for target_id, reason, detail in failed:
             address = addresses.get(target_id)  # None: the endpoint left meanwhile
             if address is not None:
                 self._failed(address, reason, detail)
+
+    def _apply_changed(self, changed: list[Changed]) -> None:
+        addresses = self._addresses
         for target_id, lines, page_bytes, update_time, took in changed:
             address = addresses.get(target_id)
             if address is not None:
                 self._parsed(address, lines, page_bytes, update_time, took)
+
+    def _apply_same(self, same: list[Same]) -> None:
+        addresses = self._addresses
         stamps = []
         for target_id, update_time, took in same:
             address = addresses.get(target_id)
@@ -345,18 +347,18 @@ class MetricsCollector:
         while True:
             await asyncio.sleep(self.interval)
             changed, same, failed = scraper.drain()
-            # In _apply's order (failures, changes, unchanged pages), a slice at a time: a large
+            # Each kind is the latest of its kind for an endpoint: failures, then changes, then
+            # unchanged pages (which read what the changes left). A slice at a time, so a large
             # pool's interval of results leaves the loop to requests in between.
-            step = DRAIN_SLICE
-            parts: list[tuple[list[Changed], list[Same], list[Failed]]] = [
-                *(([], [], failed[i : i + step]) for i in range(0, len(failed), step)),
-                *((changed[i : i + step], [], []) for i in range(0, len(changed), step)),
-                *(([], same[i : i + step], []) for i in range(0, len(same), step)),
+            steps = [
+                *_slices(self._apply_failed, failed),
+                *_slices(self._apply_changed, changed),
+                *_slices(self._apply_same, same),
             ]
-            for n, part in enumerate(parts):
+            for n, step in enumerate(steps):
                 if n:
                     await asyncio.sleep(0)
-                self._apply(*part)
+                step()
 
     # -- https scraping (asyncio) ----------------------------------------------------------
 
@@ -459,3 +461,8 @@ class MetricsCollector:
         for pod in self._per_pod_labels - labels:
             POOL_PER_POD_QUEUE.remove(pool, pod)
         self._per_pod_labels = labels
+
+
+def _slices(apply: Callable[[list[_Result]], None], results: list[_Result]) -> Iterator[Callable[[], None]]:
+    """`apply` over `results`, `DRAIN_SLICE` at a time."""
+    return (partial(apply, results[i : i + DRAIN_SLICE]) for i in range(0, len(results), DRAIN_SLICE))
