@@ -95,6 +95,9 @@ class EndpointState:
     # Effective waiting, then KV-cache usage (a fraction, so it only orders equal queues): the
     # order `candidate-narrowing-filter` keeps the least loaded in.
     load_rank: float = field(init=False, compare=False, repr=False)
+    # Requests on the endpoint as the hot-spot bound counts them (`picker.prefix.hotspot`): the
+    # picker's own in flight, or the scraped running + waiting when larger (other routers).
+    load: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = self.metrics
@@ -102,6 +105,9 @@ class EndpointState:
         waiting = max(metrics.waiting_queue_size, self.in_flight_requests - metrics.running_requests_size)
         object.__setattr__(self, "effective_waiting", waiting)
         object.__setattr__(self, "load_rank", waiting + metrics.kv_cache_usage)
+        object.__setattr__(
+            self, "load", max(self.in_flight_requests, metrics.running_requests_size + metrics.waiting_queue_size)
+        )
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last successful scrape (infinite if never scraped)."""

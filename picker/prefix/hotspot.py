@@ -18,18 +18,12 @@ from collections.abc import Sequence
 from picker.datastore.endpoint import EndpointState
 
 
-def endpoint_load(state: EndpointState) -> int:
-    metrics = state.metrics
-    return max(
-        state.in_flight_requests,
-        metrics.running_requests_size + metrics.waiting_queue_size,
-    )
-
-
 def over_bound(candidates: Sequence[EndpointState], max_load_factor: float) -> list[bool]:
     """For each candidate, whether one more request would take it past the bound (0 = off)."""
     if max_load_factor <= 0 or not candidates:
         return [False] * len(candidates)
-    loads = [endpoint_load(c) for c in candidates]
-    limit = max_load_factor * (sum(loads) / len(loads) + 1.0)
-    return [load + 1 > limit for load in loads]
+    # Read for every candidate of a decision: a slot read in a comprehension beats a function
+    # call per candidate (and, in Python 3.11, an attrgetter mapped in C).
+    loads = [c.load for c in candidates]
+    limit = max_load_factor * (sum(loads) / len(loads) + 1.0) - 1.0  # load + 1 > bound
+    return [load > limit for load in loads]

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
-from operator import attrgetter
+from itertools import compress
 from typing import Any
 
 from picker.datastore.endpoint import EndpointState
@@ -37,9 +36,6 @@ from picker.framework.plugin import Filter
 from picker.framework.request import InferenceRequest
 from picker.prefix.plugins import ENGINE_CACHED_TOKENS_KEY, PREFIX_MATCH_KEY
 
-# C-speed reads for the passes over every candidate
-_ADDRESS = attrgetter("address")
-_LOAD_RANK = attrgetter("load_rank")
 NARROWED_CANDIDATES = "narrowed_candidates"  # explain topic: [{filter, from, to}] per narrowing
 
 
@@ -115,8 +111,10 @@ class CandidateNarrowingFilter(Filter):
             held = engine_cached
         if not held or not self.prefix_holders:
             return []
-        # one read per candidate, in C; a sort only when more hold some of it than are kept
-        depths = list(map(held.get, map(_ADDRESS, candidates), repeat(0)))
+        # One read per candidate (a slot read in a comprehension: in Python 3.11 faster than an
+        # attrgetter mapped in C); a sort only when more hold some of it than are kept.
+        depth_of = held.get
+        depths = [depth_of(c.address, 0) for c in candidates]
         holders = list(compress(range(len(candidates)), depths))
         if len(holders) > self.prefix_holders:
             holders.sort(key=depths.__getitem__, reverse=True)
@@ -126,9 +124,9 @@ class CandidateNarrowingFilter(Filter):
     def _least_loaded(self, candidates: Sequence[EndpointState]) -> list[int]:
         """Positions of the `least_loaded` candidates with the fewest waiting requests, then
         the least KV-cache usage (below 1, it only orders equal queues); ties in pool order
-        from a random starting place. Reads and sorts in C: no Python per candidate."""
+        from a random starting place. One read per candidate, then a sort in C."""
         count = len(candidates)
-        loads = list(map(_LOAD_RANK, candidates))
+        loads = [c.load_rank for c in candidates]
         start = self._random.randrange(count)
         order = [*range(start, count), *range(start)]
         order.sort(key=loads.__getitem__)  # stable: the rotation breaks ties
