@@ -42,7 +42,6 @@ from typing import TypeVar
 
 import aiohttp
 import picker_extproc_core
-from prometheus_client import Histogram
 
 from picker.datalayer.engines import DEFAULT_ENGINE, EngineCatalog, EngineSpec
 from picker.datalayer.parse import parse_page
@@ -57,6 +56,7 @@ from picker.telemetry.metrics import (
     POOL_RUNNING,
     SCRAPE_DURATION,
     SCRAPE_ERRORS,
+    EndpointDurationSeries,
 )
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class MetricsCollector:
         self.metrics_port = metrics_port
         self._started = False
         self._targets: dict[str, _Target] = {}  # address → what its scrapes fetch and read
-        self._durations: dict[str, Histogram] = {}  # address → its scrape duration series
+        self._durations: dict[str, EndpointDurationSeries] = {}  # address → its scrape duration series
         # http: the compiled core's scraper; its target ids, and the task applying its results.
         self._scraper: picker_extproc_core.Scraper | None = None
         self._next_id = 0

@@ -6,7 +6,13 @@ for its P/D decision; the picker's own additions are prefixed `picker_`.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from bisect import bisect_left
+from collections.abc import Iterator
+from itertools import accumulate
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 _M = ("model_name", "target_model_name")
 _DURATION_BUCKETS = (
@@ -255,10 +261,63 @@ SCRAPE_ERRORS = Counter(
     "Failed scrapes of model-server /metrics pages, by endpoint and reason.",
     ("endpoint", "reason"),
 )
-SCRAPE_DURATION = Histogram(
+
+
+class EndpointDurations:
+    """One duration histogram per endpoint for the event loop's hottest observer: a scrape
+    result (5,000 a second at 256 endpoints, 50 ms apart). An observation is a bucket search
+    and two additions, about 0.13 µs where prometheus_client's Histogram, a lock per bucket
+    and per sum, takes 0.7. Read as a collector of the default registry; `labels` and
+    `remove` as prometheus_client's. Observed and read on the event loop only."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry = REGISTRY
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.buckets = buckets
+        self.labelnames = ("endpoint",)
+        self._series: dict[str, EndpointDurationSeries] = {}
+        registry.register(self)
+
+    def labels(self, endpoint: str) -> EndpointDurationSeries:
+        series = self._series.get(endpoint)
+        if series is None:
+            series = self._series[endpoint] = EndpointDurationSeries(self.buckets)
+        return series
+
+    def remove(self, endpoint: str) -> None:
+        self._series.pop(endpoint, None)
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        bounds = [*map(floatToGoString, self.buckets), "+Inf"]
+        for endpoint, series in self._series.items():
+            family.add_metric([endpoint], list(zip(bounds, accumulate(series.counts))), series.total)
+        yield family
+
+
+class EndpointDurationSeries:
+    """One endpoint's series of an `EndpointDurations`."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, the last +Inf; cumulated when read
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1  # le: a bound holds itself
+        self.total += seconds
+
+
+SCRAPE_DURATION = EndpointDurations(
     "picker_scrape_duration_seconds",
     "Time to fetch and parse one successful scrape of an endpoint's /metrics page.",
-    ("endpoint",),
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 METRICS_AGE = Gauge(

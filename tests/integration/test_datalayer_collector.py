@@ -194,8 +194,8 @@ async def test_scrapes_each_engine_and_follows_changes() -> None:
         )
         assert collector.active_endpoints() == {s.endpoint.address for s in servers}
 
+        changed = time.monotonic()  # before the change: a scrape of the new page always comes after
         vllm.page = vllm_page(waiting=9, running=1, kv_usage=0.9, legacy_kv_name=True)
-        changed = time.monotonic()
         await until(lambda: datastore.metrics(vllm.endpoint.address).waiting_queue_size == 9, what="new queue value")
         assert datastore.metrics(vllm.endpoint.address).kv_cache_usage == 0.9
         # The age is since the scrape that brought the new page, which came after the change.

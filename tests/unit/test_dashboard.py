@@ -16,6 +16,7 @@ import promql_parser
 import pytest
 
 import picker.serve.server  # noqa: F401  (registers every metric the serving code exports)
+from picker.telemetry.metrics import EndpointDurations
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "picker" / "dashboards" / "picker.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}
@@ -28,14 +29,22 @@ GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m"}
 def exported() -> dict[str, set[str]]:
     """Every series name the picker exports, with the label names it carries."""
     series: dict[str, set[str]] = {}
-    for collector in list(prometheus_client.REGISTRY._collector_to_names):
-        if not isinstance(collector, prometheus_client.metrics.MetricWrapperBase):
-            continue
+    for collector in picker_collectors():
+        labels = set(collector.labelnames if isinstance(collector, EndpointDurations) else collector._labelnames)
         for family in collector.describe():
             for suffix in SUFFIXES.get(family.type, ("",)):
                 extra = {"le"} if suffix == "_bucket" else set()
-                series[family.name + suffix] = set(collector._labelnames) | extra
+                series[family.name + suffix] = labels | extra
     return series
+
+
+def picker_collectors() -> list[prometheus_client.metrics.MetricWrapperBase | EndpointDurations]:
+    """The default registry's metrics (not the process and platform collectors)."""
+    return [
+        collector
+        for collector in list(prometheus_client.REGISTRY._collector_to_names)
+        if isinstance(collector, prometheus_client.metrics.MetricWrapperBase | EndpointDurations)
+    ]
 
 
 def dashboard() -> dict[str, Any]:
@@ -122,8 +131,7 @@ def test_every_picker_metric_has_a_panel() -> None:
     queried = {s.name for _, t in targets() for s in selectors(parse(t["expr"]))}
     families = {
         family.name: family.type
-        for collector in list(prometheus_client.REGISTRY._collector_to_names)
-        if isinstance(collector, prometheus_client.metrics.MetricWrapperBase)
+        for collector in picker_collectors()
         for family in collector.describe()
         if family.name.startswith("picker_")
     }
