@@ -14,7 +14,10 @@ EPP's. Then, for picker (`picker serve --endpoints`, the default 50 ms scrapes) 
   with the scrapes per second the EPP reports (picker only) and its RSS;
 - through Envoy in FULL_DUPLEX_STREAMED mode with response phases (TLS to the EPP) at `--rate`
   req/s for `--seconds` (2 KB completions): p50/p99, those above Envoy alone's (round robin over
-  the same endpoints) and the EPP's CPU per request beyond its idle CPU.
+  the same endpoints) and the EPP's CPU per request beyond its idle CPU. With `--repeats R`, R
+  rounds of Envoy alone then through the EPP, each round's differences taken, the row their
+  medians: on a shared VM one 15 s run's p99 (the 30th slowest of 3,000) moves by 2x from one
+  run to the next, and alternating keeps a drift of the machine out of the difference.
 
 Each EPP runs alone beside the backend and Envoy; everything shares the machine, so run it quiet.
 """
@@ -30,6 +33,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from picker_bench.envoy import EnvoyProcess, baseline_config, picker_config
@@ -60,6 +64,7 @@ class PoolRow:
     added_p99_ms: float
     cpu_us_per_request: float
     errors: int
+    rounds: int  # of Envoy alone then the EPP; the figures above are medians over them
 
 
 def picker_scrapes(metrics_port: int) -> tuple[float, float]:
@@ -126,7 +131,13 @@ def start_picker(layout: PoolLayout, ports: list[int], work: Path) -> tuple[Mana
 
 
 def measure_pool(
-    endpoints: int, reference_epp: Path | None, rate: float, seconds: float, idle_seconds: float, work: Path
+    endpoints: int,
+    reference_epp: Path | None,
+    rate: float,
+    seconds: float,
+    idle_seconds: float,
+    repeats: int,
+    work: Path,
 ) -> list[PoolRow]:
     layout = PoolLayout(endpoints)
     ports = [free_port("0.0.0.0") for _ in range(MAX_TARGET_PORTS)]
@@ -143,7 +154,6 @@ def measure_pool(
         backend.wait_ready(lambda: all(port_open(layout.pod_ips[-1], port) for port in ports))
         addresses = [f"{ip}:{port}" for ip in layout.pod_ips for port in ports]
         alone_config = baseline_config("round-robin", ("127.0.0.1", free_port()), addresses, ("127.0.0.1", free_port()))
-        alone, _ = under_load(alone_config, f"envoy-alone-{endpoints}", None, rate, seconds, work)
 
         def row(epp: str, pid: int, grpc_port: int, serving: float, metrics_port: int | None) -> PoolRow:
             time.sleep(WARM_UP_SECONDS)  # the first scrapes of every endpoint, before measuring idle
@@ -151,8 +161,12 @@ def measure_pool(
             config = picker_config(
                 "duplex", ("127.0.0.1", free_port()), ("127.0.0.1", grpc_port), ("127.0.0.1", free_port())
             )
-            loaded, cpu = under_load(config, f"{epp}-{endpoints}", pid, rate, seconds, work)
             requests = max(int(rate * seconds), 1)
+            rounds = []
+            for n in range(repeats):
+                alone, _ = under_load(alone_config, f"envoy-alone-{endpoints}-{n}", None, rate, seconds, work)
+                loaded, cpu = under_load(config, f"{epp}-{endpoints}-{n}", pid, rate, seconds, work)
+                rounds.append((alone, loaded, (cpu - idle * seconds) / requests * 1e6))
             result = PoolRow(
                 endpoints=endpoints,
                 epp=epp,
@@ -161,12 +175,13 @@ def measure_pool(
                 scrapes_per_s=scrapes,
                 rss_mb=rss_mib(pid),
                 backend_idle_cores=backend_idle,
-                p50_ms=loaded.p50_ms,
-                p99_ms=loaded.p99_ms,
-                added_p50_ms=loaded.p50_ms - alone.p50_ms,
-                added_p99_ms=loaded.p99_ms - alone.p99_ms,
-                cpu_us_per_request=(cpu - idle * seconds) / requests * 1e6,
-                errors=loaded.errors,
+                p50_ms=median(loaded.p50_ms for _, loaded, _ in rounds),
+                p99_ms=median(loaded.p99_ms for _, loaded, _ in rounds),
+                added_p50_ms=median(loaded.p50_ms - alone.p50_ms for alone, loaded, _ in rounds),
+                added_p99_ms=median(loaded.p99_ms - alone.p99_ms for alone, loaded, _ in rounds),
+                cpu_us_per_request=median(cpu for _, _, cpu in rounds),
+                errors=sum(loaded.errors for _, loaded, _ in rounds),
+                rounds=repeats,
             )
             print(result_line(result), flush=True)
             return result
@@ -211,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each fixed-rate run (default 15)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="length of the idle measurement (default 5)")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second (default 200)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of Envoy alone then the EPP per row; medians (default 1)"
+    )
     parser.add_argument("--reference-epp", type=Path, metavar="PATH", help="also run the reference EPP's binary")
     parser.add_argument(
         "--reference-max-endpoints",
@@ -226,18 +244,19 @@ def main(argv: list[str] | None = None) -> int:
             PoolLayout(n)
     except ValueError as exc:
         parser.error(f"--endpoints: {exc}")
-    if args.seconds <= 0 or args.idle_seconds <= 0 or args.rate <= 0:
-        parser.error("--seconds, --idle-seconds and --rate must be positive")
+    if args.seconds <= 0 or args.idle_seconds <= 0 or args.rate <= 0 or args.repeats < 1:
+        parser.error("--seconds, --idle-seconds, --rate and --repeats must be positive")
     print(
         f"{args.rate:g} req/s of 2 KB completions for {args.seconds:g} s through Envoy (FULL_DUPLEX + response, TLS); "
-        f"idle over {args.idle_seconds:g} s; pages served by picker_bench.backend --metrics (uvloop)"
+        f"idle over {args.idle_seconds:g} s; pages served by picker_bench.backend --metrics (uvloop); "
+        f"{args.repeats} round(s) of Envoy alone then the EPP per row, the medians"
     )
     print(HEADER, flush=True)
     rows: list[PoolRow] = []
     with tempfile.TemporaryDirectory(prefix="picker-poolsize-") as tmp:
         for n in sizes:
             reference = args.reference_epp if n <= args.reference_max_endpoints else None
-            rows += measure_pool(n, reference, args.rate, args.seconds, args.idle_seconds, Path(tmp))
+            rows += measure_pool(n, reference, args.rate, args.seconds, args.idle_seconds, args.repeats, Path(tmp))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return 0
