@@ -167,6 +167,8 @@ def measure_pool(
                 alone, _ = under_load(alone_config, f"envoy-alone-{endpoints}-{n}", None, rate, seconds, work)
                 loaded, cpu = under_load(config, f"{epp}-{endpoints}-{n}", pid, rate, seconds, work)
                 rounds.append((alone, loaded, (cpu - idle * seconds) / requests * 1e6))
+                if repeats > 1:  # each round as it ends: how far apart they are is part of the result
+                    print(f"  {endpoints} {epp} round {n + 1}: {round_line(alone, loaded, rounds[-1][2])}", flush=True)
             result = PoolRow(
                 endpoints=endpoints,
                 epp=epp,
@@ -201,6 +203,14 @@ def measure_pool(
         for process in reversed(processes):
             process.stop()
     return rows
+
+
+def round_line(alone: RateResult, loaded: RateResult, cpu_us_per_request: float) -> str:
+    return (
+        f"Envoy alone p50/p99 {alone.p50_ms:.2f}/{alone.p99_ms:.2f} ms, through the EPP "
+        f"{loaded.p50_ms:.2f}/{loaded.p99_ms:.2f} ms, added p99 {loaded.p99_ms - alone.p99_ms:.2f} ms, "
+        f"{cpu_us_per_request:.0f} µs/request"
+    )
 
 
 def result_line(row: PoolRow) -> str:
