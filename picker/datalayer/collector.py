@@ -15,9 +15,10 @@ Cost per endpoint, measured on this shared 2-core machine with static vLLM pages
 30 µs of CPU per scrape all in (~20 µs on the scraper thread, kernel included, ~7 µs on the
 loop), where the aiohttp client cost about 250-400 µs: 0.10-0.15 cores for 256 endpoints at
 50 ms, under 0.5 for 1,024. An unchanged page costs the loop about 0.4 µs, its stamp and its
-duration (`EndpointDurations`, 1.1 µs with prometheus_client's Histogram). Memory: RSS grows about 30 KiB per endpoint, of which ~7 KiB are
-Python objects (mostly the endpoint's Prometheus series) and the rest the scraper's (about 1 KB
-of task, socket and hashes, plus malloc keeping the page-sized read buffers of scrapes in flight).
+duration (`EndpointDurations`, 1.1 µs with prometheus_client's Histogram). Memory: RSS grows
+about 30 KiB per endpoint, of which ~7 KiB are Python objects (mostly the endpoint's Prometheus
+series) and the rest the scraper's (about 1 KB of task, socket and hashes, plus malloc keeping
+the page-sized read buffers of scrapes in flight).
 
 https pages are scraped by one asyncio task per endpoint sharing one aiohttp session (the core
 speaks plain http only), parsed on the event loop with the same `parse_page`.
