@@ -166,9 +166,10 @@ def measure_pool(
             for n in range(repeats):
                 alone, _ = under_load(alone_config, f"envoy-alone-{endpoints}-{n}", None, rate, seconds, work)
                 loaded, cpu = under_load(config, f"{epp}-{endpoints}-{n}", pid, rate, seconds, work)
-                rounds.append((alone, loaded, (cpu - idle * seconds) / requests * 1e6))
+                cpu_us = (cpu - idle * seconds) / requests * 1e6
+                rounds.append((alone, loaded, cpu_us))
                 if repeats > 1:  # each round as it ends: how far apart they are is part of the result
-                    print(f"  {endpoints} {epp} round {n + 1}: {round_line(alone, loaded, rounds[-1][2])}", flush=True)
+                    print(f"  {endpoints} {epp} round {n + 1}: {round_line(alone, loaded, cpu_us)}", flush=True)
             result = PoolRow(
                 endpoints=endpoints,
                 epp=epp,
