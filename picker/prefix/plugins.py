@@ -35,8 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import repeat
-from operator import attrgetter
+from itertools import compress
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from picker.datastore.endpoint import EndpointState
@@ -58,7 +57,7 @@ from picker.framework.plugin import (
 from picker.framework.request import InferenceRequest, ResponseOutcome
 from picker.prefix.chars import CHARS_PER_TOKEN
 from picker.prefix.hashing import token_block_hashes
-from picker.prefix.hotspot import over_bound
+from picker.prefix.hotspot import load_limit
 from picker.prefix.index import DEFAULT_LRU_CAPACITY, DEFAULT_REUSE_WINDOW_S, PrefixIndex
 from picker.prefix.prompt_blocks import TOKENS, BlockSizing, PromptBlocks, PromptHasher
 from picker.prefix.token_cache import DEFAULT_CAPACITY_TOKENS, TokenPrefixCache
@@ -81,7 +80,6 @@ from picker.telemetry.metrics import (
 if TYPE_CHECKING:
     from picker.state.sync import SharedIndex, SharedTtft
 
-_ADDRESS = attrgetter("address")
 PREDICTED_TTFT = "predicted_ttft"  # explain topic: {address: TtftEstimate}
 OBSERVED_TTFT = "observed_ttft"  # explain topic: {endpoint, seconds, prompt_tokens, cached_tokens}
 # {address: prompt tokens an engine reported cached}, from the KV-event (precise) index when one
@@ -109,6 +107,10 @@ class PrefixMatch:
     matched: Mapping[str, int]
     over_bound: frozenset[str] = frozenset()
     room: Callable[[EndpointState], int] | None = None  # an endpoint's cache blocks beside its reused ones
+    # `matched` read for each of the candidates the producer saw, in their order: a consumer
+    # given that same list (the first filter is) reads these instead of a pass over the pool.
+    candidates: Sequence[EndpointState] = ()
+    held: Sequence[int] = ()
 
     def fits(self, state: EndpointState, cached_tokens: int | None = None) -> bool:
         """Whether the blocks `state`'s endpoint lacks fit in its cache beside the blocks reused
@@ -466,14 +468,19 @@ class ApproxPrefixCacheProducer(
             return
         matched = self._match(blocks, cycle_state)
         over: frozenset[str] = frozenset()
-        if matched and self.config.max_load_factor > 0:
-            bounded = over_bound(candidates, self.config.max_load_factor)
-            over = frozenset(c.address for c, past in zip(candidates, bounded) if past and matched.get(c.address))
-        match = PrefixMatch(blocks, matched, over, self._room)
+        held: list[int] = []
+        best = 0
+        if matched:
+            # One read per candidate; the load bound then reads the pool's mean and the holders.
+            held = [matched.get(c.address, 0) for c in candidates]
+            best = max(held, default=0)
+            if best and self.config.max_load_factor > 0:
+                limit = load_limit(candidates, self.config.max_load_factor)
+                holders = (candidates[i] for i in compress(range(len(held)), held))
+                over = frozenset(h.address for h in holders if h.load > limit)
+        match = PrefixMatch(blocks, matched, over, self._room, candidates if matched else (), held)
         cycle_state[PREFIX_MATCH_KEY] = match
         if blocks.hashes:
-            # in C: it reads every candidate
-            best = max(map(matched.get, map(_ADDRESS, candidates), repeat(0)), default=0) if matched else 0
             PREFIX_INDEXER_HIT_RATIO.observe(best / len(blocks.hashes))
             PREFIX_INDEXER_HIT_BYTES.observe(best * blocks.block_tokens * CHARS_PER_TOKEN)
 

@@ -31,11 +31,17 @@ def busy_pool(count: int, rng: random.Random) -> list[EndpointState]:
     return [state(i, waiting=rng.randrange(3, 10), running=4, kv=rng.random()) for i in range(count)]
 
 
-def with_prefix(candidates: list[EndpointState], held: dict[int, int]) -> CycleState:
-    """A 10-block prompt of which candidate i holds held[i] leading blocks."""
+def with_prefix(candidates: list[EndpointState], held: dict[int, int], read_by_producer: bool = False) -> CycleState:
+    """A 10-block prompt of which candidate i holds held[i] leading blocks (with each
+    candidate's blocks read for this list, as the prefix producer leaves them, or not)."""
     cycle_state = CycleState()
     blocks = PromptBlocks(TOKENS, tuple(range(10)), 16, 160, 0)
-    cycle_state[PREFIX_MATCH_KEY] = PrefixMatch(blocks, {candidates[i].address: n for i, n in held.items()})
+    matched = {candidates[i].address: n for i, n in held.items()}
+    if read_by_producer:
+        depths = [held.get(i, 0) for i in range(len(candidates))]
+        cycle_state[PREFIX_MATCH_KEY] = PrefixMatch(blocks, matched, candidates=candidates, held=depths)
+    else:
+        cycle_state[PREFIX_MATCH_KEY] = PrefixMatch(blocks, matched)
     return cycle_state
 
 
@@ -62,6 +68,27 @@ def test_the_holder_of_a_long_prefix_is_always_kept(seed: int) -> None:
     assert len(kept) <= 16 + 16 + 4
     assert list(kept) == sorted(kept, key=candidates.index)  # pool order
     assert cycle_state.explain()[NARROWED_CANDIDATES] == [{"filter": "n", "from": 300, "to": len(kept)}]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_producers_reads_narrow_as_the_filters_own(seed: int) -> None:
+    rng = random.Random(seed)
+    candidates = busy_pool(300, rng)
+    held = {i: rng.randrange(1, 10) for i in rng.sample(range(300), rng.choice([1, 10, 40]))}
+    kept = [
+        CandidateNarrowingFilter("n", rng=random.Random(seed)).filter(
+            request(), with_prefix(candidates, held, read_by_producer), candidates
+        )
+        for read_by_producer in (False, True)
+    ]
+    assert kept[0] == kept[1]
+    # A list other than the one the producer read (an earlier filter's) is read again.
+    fewer = candidates[:200]
+    state_read = with_prefix(candidates, held, read_by_producer=True)
+    narrowed = CandidateNarrowingFilter("n", rng=random.Random(seed)).filter(request(), state_read, fewer)
+    assert narrowed == CandidateNarrowingFilter("n", rng=random.Random(seed)).filter(
+        request(), with_prefix(candidates, held), fewer
+    )
 
 
 def test_what_the_engines_report_cached_counts_as_held() -> None:
