@@ -18,12 +18,9 @@ from collections.abc import Sequence
 from picker.datastore.endpoint import EndpointState
 
 
-def load_limit(candidates: Sequence[EndpointState], max_load_factor: float) -> float:
+def load_limit(loads: Sequence[int], max_load_factor: float) -> float:
     """The load above which one more request takes a candidate past the bound (load + 1 >
-    bound); `candidates` not empty, `max_load_factor` above 0."""
-    # Read for every candidate of a decision: a slot read in a comprehension beats a function
-    # call per candidate (and, in Python 3.11, an attrgetter mapped in C).
-    loads = [c.load for c in candidates]
+    bound), given every candidate's `load` (not empty) and a `max_load_factor` above 0."""
     return max_load_factor * (sum(loads) / len(loads) + 1.0) - 1.0
 
 
@@ -31,5 +28,8 @@ def over_bound(candidates: Sequence[EndpointState], max_load_factor: float) -> l
     """For each candidate, whether one more request would take it past the bound (0 = off)."""
     if max_load_factor <= 0 or not candidates:
         return [False] * len(candidates)
-    limit = load_limit(candidates, max_load_factor)
-    return [c.load > limit for c in candidates]
+    # Read for every candidate of a decision: a slot read in a comprehension beats a function
+    # call per candidate (and, in Python 3.11, an attrgetter mapped in C).
+    loads = [c.load for c in candidates]
+    limit = load_limit(loads, max_load_factor)
+    return [load > limit for load in loads]

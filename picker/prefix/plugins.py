@@ -475,9 +475,10 @@ class ApproxPrefixCacheProducer(
             held = [matched.get(c.address, 0) for c in candidates]
             best = max(held, default=0)
             if best and self.config.max_load_factor > 0:
-                limit = load_limit(candidates, self.config.max_load_factor)
-                holders = (candidates[i] for i in compress(range(len(held)), held))
-                over = frozenset(h.address for h in holders if h.load > limit)
+                loads = [c.load for c in candidates]
+                limit = load_limit(loads, self.config.max_load_factor)
+                holders = compress(range(len(held)), held)
+                over = frozenset(candidates[i].address for i in holders if loads[i] > limit)
         match = PrefixMatch(blocks, matched, over, self._room, candidates if matched else (), held)
         cycle_state[PREFIX_MATCH_KEY] = match
         if blocks.hashes:
